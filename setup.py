@@ -1,0 +1,30 @@
+"""gspo_jax: critic-free RL (GRPO, DAPO, GSPO, ...) for sparse-MoE language models in JAX."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="gspo_jax",
+    version="0.1.0",
+    description="GRPO / DAPO / GSPO and relatives for sparse-MoE policies in JAX/Flax",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["gspo_jax", "gspo_jax.*"]),
+    include_package_data=True,
+    package_data={"gspo_jax": ["**/*.json", "**/*.jsonl"]},
+    # Lower bounds are the versions this project is tested with.
+    install_requires=[
+        "jax>=0.10.2",
+        "flax>=0.12.8",
+        "optax>=0.2.8",
+        "orbax-checkpoint>=0.12.8",
+        "chex>=0.1.92",
+        "transformers>=5.23.0",
+        "ml_collections>=1.1.0",
+        "numpy>=2.0",
+    ],
+    extras_require={
+        "dev": ["pytest>=9.0", "hypothesis>=6.155"],
+        "tpu": ["jax[tpu]>=0.10.2"],
+    },
+)

@@ -1,0 +1,23 @@
+"""Test set-up: a fake 8-device CPU platform, configured before JAX is imported."""
+
+import os
+
+os.environ["XLA_FLAGS"] = (
+    os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8"
+).strip()
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402  (must come after XLA_FLAGS)
+import pytest  # noqa: E402
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(params=[False, True], ids=["eager", "jit"])
+def maybe_jit(request):
+    """Runs a test once with the function as is and once under `jax.jit`."""
+
+    def wrap(fn, **jit_kwargs):
+        return jax.jit(fn, **jit_kwargs) if request.param else fn
+
+    return wrap
