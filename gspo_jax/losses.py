@@ -1,0 +1,471 @@
+"""Critic-free policy losses (GRPO, DAPO, GSPO, GSPO-token, Dr.GRPO, GMPO, CISPO, SAPO).
+
+Every loss is a pure function of per-token log-probabilities: it never sees the model. A loss is
+assembled from orthogonal pieces chosen by a frozen `LossConfig`:
+
+  ratio        how π_θ/π_old is formed: per token, per sequence (GSPO), per sequence with
+               per-token gradients (GSPO-token), or as a geometric mean of log-clipped tokens (GMPO)
+  gate         what turns (ratio, advantage) into a loss: the PPO clip, CISPO's clipped
+               stop-gradient weight, or SAPO's soft sigmoid gate
+  aggregation  how per-token (or per-sequence) losses become one number
+
+Shapes: B completions, T positions. `mask_BT` is 1 on completion tokens, 0 on prompt and padding.
+All math is float32 whatever the input dtype. Formulas: ALGORITHMS.md of the project.
+
+Global-batch aggregation: a loss is `numerator / denominator`. `loss_denominator(cfg, mask)` on the
+*whole* batch, passed as `denominator=` to `policy_loss` on each minibatch or device shard, makes the
+sum of the pieces equal the full-batch loss (and gradient).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+Array = jax.Array
+
+RATIOS = ("token", "sequence", "sequence_token", "geometric")
+GATES = ("clip", "cispo", "sapo")
+AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm", "sequence")
+KL_ESTIMATORS = ("k1", "k2", "k3")
+
+SEQUENCE_LEVEL_RATIOS = ("sequence", "geometric")  # one ratio and one loss per sequence
+GATES_FOR_RATIO = {
+    "token": ("clip", "cispo", "sapo"),
+    "sequence_token": ("clip", "sapo"),
+    "sequence": ("clip", "sapo"),
+    "geometric": ("clip",),  # GMPO clips in log space, token by token, inside the ratio
+}
+
+
+def _check_choice(field: str, value, allowed) -> None:
+    if value not in allowed:
+        raise ValueError(f"LossConfig.{field}={value!r} is not allowed; choose one of {allowed}")
+
+
+def _check_number(field: str, value, *, low: float, strict: bool, allow_none: bool = False):
+    if value is None and allow_none:
+        return
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and (value > low if strict else value >= low)
+    if not ok:
+        bound = f"> {low}" if strict else f">= {low}"
+        none = " or None" if allow_none else ""
+        raise ValueError(f"LossConfig.{field}={value!r} is not allowed; it must be a finite number {bound}{none}")
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+    """Which policy loss to compute; validated at construction, hashable (a static jit argument).
+
+    eps_low / eps_high bound a ratio to [1 - eps_low, 1 + eps_high]; for `geometric` they bound each
+    token's log-ratio to [-eps_low, eps_high] instead (GMPO clips in log space).
+    """
+
+    ratio: str = "token"
+    gate: str = "clip"
+    eps_low: float = 0.2
+    eps_high: float = 0.2
+    dual_clip_c: float | None = None  # for A < 0 cap the loss at -c·A (c > 1); clip gate only
+    aggregation: str = "seq_mean_token_mean"
+    sum_norm_len: float | None = None  # the constant T_max of seq_mean_token_sum_norm
+    kl_coef: float = 0.0
+    kl_estimator: str = "k3"
+    sapo_tau_pos: float = 1.0
+    sapo_tau_neg: float = 1.05
+    log_ratio_clamp: float = 20.0  # |log-ratio| bound applied before every exp
+
+    def __post_init__(self):
+        _check_choice("ratio", self.ratio, RATIOS)
+        _check_choice("gate", self.gate, GATES)
+        _check_choice("aggregation", self.aggregation, AGGREGATIONS)
+        _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        _check_number("eps_low", self.eps_low, low=0.0, strict=False)
+        _check_number("eps_high", self.eps_high, low=0.0, strict=False)
+        _check_number("dual_clip_c", self.dual_clip_c, low=1.0, strict=True, allow_none=True)
+        _check_number("sum_norm_len", self.sum_norm_len, low=0.0, strict=True, allow_none=True)
+        _check_number("kl_coef", self.kl_coef, low=0.0, strict=False)
+        _check_number("sapo_tau_pos", self.sapo_tau_pos, low=0.0, strict=True)
+        _check_number("sapo_tau_neg", self.sapo_tau_neg, low=0.0, strict=True)
+        _check_number("log_ratio_clamp", self.log_ratio_clamp, low=0.0, strict=True)
+        if self.gate not in GATES_FOR_RATIO[self.ratio]:
+            raise ValueError(
+                f"LossConfig.gate={self.gate!r} does not go with ratio={self.ratio!r}; "
+                f"allowed gates for it: {GATES_FOR_RATIO[self.ratio]}"
+            )
+        if self.dual_clip_c is not None and self.gate != "clip":
+            raise ValueError(f"LossConfig.dual_clip_c is only used with gate='clip', not gate={self.gate!r}")
+        sequence_level = self.ratio in SEQUENCE_LEVEL_RATIOS
+        if sequence_level != (self.aggregation == "sequence"):
+            allowed = ("sequence",) if sequence_level else AGGREGATIONS[:3]
+            raise ValueError(
+                f"LossConfig.aggregation={self.aggregation!r} does not go with ratio={self.ratio!r}; "
+                f"allowed: {allowed}"
+            )
+        if self.aggregation == "seq_mean_token_sum_norm" and self.sum_norm_len is None:
+            raise ValueError(
+                "LossConfig.sum_norm_len must be set (a number > 0, usually the max completion length) "
+                "when aggregation='seq_mean_token_sum_norm'"
+            )
+
+    @property
+    def sequence_level(self) -> bool:
+        return self.ratio in SEQUENCE_LEVEL_RATIOS
+
+
+PRESETS: dict[str, LossConfig] = {
+    # DeepSeekMath: symmetric clip 0.2, per-sequence token mean, β = 0.04 with the k3 estimator.
+    "grpo": LossConfig(eps_low=0.2, eps_high=0.2, aggregation="seq_mean_token_mean", kl_coef=0.04),
+    # DAPO: clip-higher (0.2 / 0.28), token-level mean, no KL.
+    "dapo": LossConfig(eps_low=0.2, eps_high=0.28, aggregation="token_mean"),
+    # GSPO: sequence ratio with tiny ranges (3e-4 / 4e-4), one loss per sequence.
+    "gspo": LossConfig(ratio="sequence", eps_low=3e-4, eps_high=4e-4, aggregation="sequence"),
+    "gspo_token": LossConfig(
+        ratio="sequence_token", eps_low=3e-4, eps_high=4e-4, aggregation="seq_mean_token_mean"
+    ),
+    # Dr.GRPO: sum over tokens divided by a constant; set sum_norm_len to the max completion length
+    # (the trainer does). Its advantages are not std-scaled (advantages.PRESET_ADVANTAGE_SCALE).
+    "dr_grpo": LossConfig(aggregation="seq_mean_token_sum_norm", sum_norm_len=1024.0),
+    # GMPO: geometric mean of token ratios, each clipped in log space to (-0.4, 0.4).
+    "gmpo": LossConfig(ratio="geometric", eps_low=0.4, eps_high=0.4, aggregation="sequence"),
+    # CISPO (MiniMax-M1): no lower bound on the IS weight (ratios are > 0), only ε_high is tuned.
+    "cispo": LossConfig(gate="cispo", eps_low=1.0, eps_high=0.2, aggregation="token_mean"),
+    # SAPO: soft gate with τ_pos = 1.0 and τ_neg = 1.05 (negative advantages decay faster).
+    "sapo": LossConfig(gate="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05),
+}
+
+
+# ----------------------------------------------------------------------------------------------
+# Log-probabilities and KL estimators.
+
+
+def token_logprobs(logits_BTV: Array, tokens_BT: Array, temperature: float | Array = 1.0) -> Array:
+    """log π(token) under softmax(logits / temperature), computed in float32: [B, T]."""
+    logits_BTV = logits_BTV.astype(jnp.float32) / jnp.asarray(temperature, jnp.float32)
+    lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
+    picked_BT = jnp.take_along_axis(logits_BTV, tokens_BT[..., None].astype(jnp.int32), axis=-1)[..., 0]
+    return picked_BT - lse_BT
+
+
+def kl_k1(d: Array) -> Array:
+    """k1 = -d, with d = ref_logp - logp (unbiased, high variance, can be negative)."""
+    return -d
+
+
+def kl_k2(d: Array) -> Array:
+    """k2 = d²/2 (biased, low variance, non-negative)."""
+    return 0.5 * jnp.square(d)
+
+
+def kl_k3(d: Array) -> Array:
+    """k3 = exp(d) - d - 1 (unbiased, low variance, non-negative); d is clamped by the caller."""
+    return jnp.expm1(d) - d
+
+
+KL_FNS: dict[str, Callable[[Array], Array]] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
+
+
+# ----------------------------------------------------------------------------------------------
+# Shared pieces: masked reductions, log-ratios.
+
+
+def _masked_sum(x: Array, mask: Array, axis=None) -> Array:
+    return jnp.sum(jnp.where(mask, x, 0.0), axis=axis)
+
+
+def _masked_min_max_mean(x: Array, mask: Array) -> tuple[Array, Array, Array]:
+    """Min, max and mean over masked entries; 1.0 for all three when nothing is masked in."""
+    count = jnp.sum(mask)
+    lo = jnp.min(jnp.where(mask, x, jnp.inf))
+    hi = jnp.max(jnp.where(mask, x, -jnp.inf))
+    mean = _masked_sum(x, mask) / jnp.maximum(count, 1)
+    some = count > 0
+    return jnp.where(some, lo, 1.0), jnp.where(some, hi, 1.0), jnp.where(some, mean, 1.0)
+
+
+def masked_log_ratio(logp_BT: Array, old_logp_BT: Array, mask_BT: Array) -> Array:
+    """Δ = logp - old_logp, exactly 0 off the mask (whatever is stored there). Not clamped: each
+    ratio clamps the quantity it exponentiates (a token's Δ, or a sequence's mean Δ)."""
+    return jnp.where(mask_BT, logp_BT - old_logp_BT, 0.0)
+
+
+def clamp_log_ratio(x: Array, clamp: float) -> Array:
+    """x clamped to ±clamp: gradient 1 inside (boundary included), 0 outside."""
+    return jnp.where(jnp.abs(x) <= clamp, x, jnp.clip(jax.lax.stop_gradient(x), -clamp, clamp))
+
+
+def _mean_delta(delta_BT: Array, mask_BT: Array) -> Array:
+    return _masked_sum(delta_BT, mask_BT, axis=-1) / jnp.maximum(jnp.sum(mask_BT, axis=-1), 1.0)
+
+
+def sequence_log_ratio(delta_BT: Array, mask_BT: Array, clamp: float) -> Array:
+    """log s_i = Σ_t m Δ / max(1, Σ_t m): GSPO's length-normalised sequence log-ratio, [B]."""
+    return clamp_log_ratio(_mean_delta(delta_BT, mask_BT), clamp)
+
+
+def sequence_token_log_ratio(
+    delta_BT: Array, logp_BT: Array, mask_BT: Array, clamp: float
+) -> Array:
+    """log s_{i,t} = sg[log s_i] + logp_t - sg[logp_t]: value of s_i, gradient of each token alone.
+
+    Where log s_i is clamped, the token gradients are cut too, as GSPO's are.
+    """
+    mean_B = _mean_delta(delta_BT, mask_BT)
+    log_s_B = jax.lax.stop_gradient(clamp_log_ratio(mean_B, clamp))
+    inside_B1 = (jnp.abs(mean_B) <= clamp)[:, None]
+    safe_logp_BT = jnp.where(mask_BT & inside_B1, logp_BT, 0.0)
+    return log_s_B[:, None] + safe_logp_BT - jax.lax.stop_gradient(safe_logp_BT)
+
+
+class ClippedLogRatio(NamedTuple):
+    log_ratio: Array  # per sequence [B]
+    low_BT: Array  # token clipped at the low side (bool)
+    high_BT: Array
+
+
+def geometric_log_ratio(
+    delta_BT: Array, mask_BT: Array, adv_B: Array, eps_low: float, eps_high: float, clamp: float
+) -> ClippedLogRatio:
+    """GMPO: clip each token's Δ in log space on the side sign(A) selects, then masked mean.
+
+    For A > 0 only Δ > eps_high is clipped, for A < 0 only Δ < -eps_low; a clipped token passes no
+    gradient.
+    """
+    pos_B1, neg_B1 = (adv_B > 0)[:, None], (adv_B < 0)[:, None]
+    high_BT = pos_B1 & (delta_BT > eps_high) & mask_BT
+    low_BT = neg_B1 & (delta_BT < -eps_low) & mask_BT
+    clipped_BT = jnp.where(high_BT, eps_high, jnp.where(low_BT, -eps_low, delta_BT))
+    return ClippedLogRatio(clamp_log_ratio(_mean_delta(clipped_BT, mask_BT), clamp), low_BT, high_BT)
+
+
+# ----------------------------------------------------------------------------------------------
+# Gates: (log-ratio x, advantage A) -> per-unit loss and which units were clipped. A "unit" is a
+# token ([B, T] inputs) or a sequence ([B] inputs); the gates are shape-agnostic.
+
+
+class Gated(NamedTuple):
+    loss: Array
+    low: Array  # clipped at the low side (A < 0, x < 1 - eps_low), bool
+    high: Array  # clipped at the high side (A > 0, x > 1 + eps_high), bool
+    dual: Array  # capped by the dual clip (A < 0, x > c), bool
+    weight: Array  # gradient weight relative to the plain policy gradient A·∇logp, for diagnostics
+
+
+def clip_gate(cfg: LossConfig, log_x: Array, adv: Array, logp: Array | None = None) -> Gated:
+    """PPO clip ℓ = -min(x·A, clip(x)·A), written as a select so a clipped unit's gradient is 0.
+
+    With dual clip, for A < 0 the loss is further capped at -c·A (also zero gradient there).
+    """
+    del logp
+    x = jnp.exp(log_x)
+    high = (adv > 0) & (x > 1.0 + cfg.eps_high)
+    low = (adv < 0) & (x < 1.0 - cfg.eps_low)
+    bound = jnp.where(high, 1.0 + cfg.eps_high, 1.0 - cfg.eps_low)
+    loss = jnp.where(high | low, -jax.lax.stop_gradient(bound) * adv, -x * adv)
+    dual = jnp.zeros_like(high)
+    if cfg.dual_clip_c is not None:
+        dual = (adv < 0) & (x > cfg.dual_clip_c)
+        loss = jnp.where(dual, -cfg.dual_clip_c * adv, loss)
+    weight = jnp.where(high | low | dual, 0.0, jax.lax.stop_gradient(x))
+    return Gated(loss, low, high, dual, weight)
+
+
+def cispo_gate(cfg: LossConfig, log_x: Array, adv: Array, logp: Array | None = None) -> Gated:
+    """CISPO: ℓ = -sg(clip(r, 1-eps_low, 1+eps_high))·A·logp; every token keeps its gradient."""
+    x = jnp.exp(log_x)
+    high, low = x > 1.0 + cfg.eps_high, x < 1.0 - cfg.eps_low
+    w = jax.lax.stop_gradient(jnp.clip(x, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high))
+    return Gated(-w * adv * logp, low, high, jnp.zeros_like(high), w)
+
+
+def sapo_gate(cfg: LossConfig, log_x: Array, adv: Array, logp: Array | None = None) -> Gated:
+    """SAPO soft gate: ℓ = -A·(4/τ)·σ(τ(x - 1)), τ = τ_pos if A > 0 else τ_neg.
+
+    Its gradient is A·4σ(1-σ)·x·∇log x, equal to the policy gradient at x = 1 and decaying smoothly
+    away from it; nothing is hard-clipped, so the clip fractions stay 0.
+    """
+    del logp
+    x = jnp.exp(log_x)
+    tau = jnp.where(adv > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
+    sig = jax.nn.sigmoid(tau * (x - 1.0))
+    no = jnp.zeros(x.shape, bool)
+    weight = jax.lax.stop_gradient(4.0 * sig * (1.0 - sig) * x)
+    return Gated(-adv * (4.0 / tau) * sig, no, no, no, weight)
+
+
+GATE_FNS: dict[str, Callable[..., Gated]] = {"clip": clip_gate, "cispo": cispo_gate, "sapo": sapo_gate}
+
+
+# ----------------------------------------------------------------------------------------------
+# Aggregation: numerator and denominator, so that global-batch denominators can be passed in.
+
+
+def sequence_valid(mask_BT: Array) -> Array:
+    """A sequence counts iff it has at least one completion token (empty ones contribute nothing)."""
+    return jnp.sum(mask_BT, axis=-1) > 0
+
+
+def loss_denominator(cfg: LossConfig, mask_BT: Array) -> Array:
+    """The aggregation's denominator for this mask: token count for token_mean, else sequence count.
+
+    Compute it once on the global batch and pass it to `policy_loss` for every minibatch/shard.
+    """
+    mask_BT = jnp.asarray(mask_BT) > 0
+    if cfg.aggregation == "token_mean":
+        return jnp.sum(mask_BT).astype(jnp.float32)
+    return jnp.sum(sequence_valid(mask_BT)).astype(jnp.float32)
+
+
+def token_loss_numerator(aggregation: str, loss_BT: Array, mask_BT: Array, sum_norm_len) -> Array:
+    """Numerator of a token-level aggregation ('sequence' means the per-sequence token mean)."""
+    per_seq_sum_B = _masked_sum(loss_BT, mask_BT, axis=-1)
+    if aggregation == "token_mean":
+        return jnp.sum(per_seq_sum_B)
+    if aggregation == "seq_mean_token_sum_norm":
+        return jnp.sum(per_seq_sum_B) / sum_norm_len
+    n_B = jnp.maximum(jnp.sum(mask_BT, axis=-1), 1.0)
+    return jnp.sum(per_seq_sum_B / n_B)
+
+
+# ----------------------------------------------------------------------------------------------
+# The loss.
+
+
+def _prepare(logp, old_logp, advantages, mask, ref_logp, cfg: LossConfig):
+    """Argument checks (at trace time, before any math) and float32 casts."""
+    logp, old_logp = jnp.asarray(logp), jnp.asarray(old_logp)
+    if logp.ndim != 2 or old_logp.shape != logp.shape or jnp.shape(mask) != logp.shape:
+        raise ValueError(
+            "policy_loss: logp, old_logp and mask must share one [B, T] shape; got "
+            f"logp {logp.shape}, old_logp {old_logp.shape}, mask {jnp.shape(mask)}"
+        )
+    advantages = jnp.asarray(advantages)
+    B = logp.shape[0]
+    if advantages.shape not in ((B,), logp.shape):
+        raise ValueError(f"policy_loss: advantages must have shape [B]={(B,)} or [B, T]={logp.shape}; got {advantages.shape}")
+    if cfg.sequence_level and advantages.ndim != 1:
+        raise ValueError(
+            f"policy_loss: ratio={cfg.ratio!r} takes one advantage per sequence, shape [B]; got "
+            f"{advantages.shape} (use ratio='sequence_token' for per-token advantages)"
+        )
+    if cfg.kl_coef > 0:
+        if ref_logp is None:
+            raise ValueError(f"policy_loss: kl_coef={cfg.kl_coef} > 0 needs ref_logp of shape {logp.shape}")
+        if jnp.shape(ref_logp) != logp.shape:
+            raise ValueError(f"policy_loss: ref_logp must have shape {logp.shape}; got {jnp.shape(ref_logp)}")
+    f32 = lambda x: None if x is None else jnp.asarray(x).astype(jnp.float32)  # noqa: E731
+    return f32(logp), f32(old_logp), f32(advantages), jnp.asarray(mask) > 0, f32(ref_logp)
+
+
+def policy_loss(
+    cfg: LossConfig,
+    logp: Array,
+    old_logp: Array,
+    advantages: Array,
+    mask: Array,
+    ref_logp: Array | None = None,
+    *,
+    denominator: Array | float | None = None,
+) -> tuple[Array, dict[str, Array]]:
+    """The configured policy loss and its diagnostics; pure and jittable (cfg is static).
+
+    Args:
+      logp, old_logp, mask: [B, T] log-probs of the sampled tokens under π_θ and π_old; mask is 1
+        on completion tokens. Any dtype; the math is float32.
+      advantages: [B] (one per completion) or [B, T] (token-level ratios only).
+      ref_logp: [B, T] under π_ref, required when cfg.kl_coef > 0.
+      denominator: the aggregation's denominator; default `loss_denominator(cfg, mask)`. Pass the
+        global batch's value when this call sees only a minibatch or a shard.
+    Returns:
+      (loss, metrics): loss = (Σ policy terms + kl_coef·Σ KL terms) / denominator.
+    """
+    logp_BT, old_BT, adv, mask_BT, ref_BT = _prepare(logp, old_logp, advantages, mask, ref_logp, cfg)
+    if denominator is None:
+        denominator = loss_denominator(cfg, mask_BT)
+    denom = jnp.maximum(jnp.asarray(denominator, jnp.float32), 1.0)
+    clamp = cfg.log_ratio_clamp
+    delta_BT = masked_log_ratio(logp_BT, old_BT, mask_BT)
+    seq_ok_B = sequence_valid(mask_BT)
+    gate = GATE_FNS[cfg.gate]
+
+    if cfg.sequence_level:
+        if cfg.ratio == "geometric":
+            lr = geometric_log_ratio(delta_BT, mask_BT, adv, cfg.eps_low, cfg.eps_high, clamp)
+            x_B = jnp.exp(lr.log_ratio)
+            loss_B, dual_B = -x_B * adv, jnp.zeros(adv.shape, bool)
+            if cfg.dual_clip_c is not None:
+                dual_B = (adv < 0) & (x_B > cfg.dual_clip_c)
+                loss_B = jnp.where(dual_B, -cfg.dual_clip_c * adv, loss_B)
+            low_BT, high_BT = lr.low_BT, lr.high_BT
+            seq_clipped_B = jnp.any(low_BT | high_BT, axis=-1) | dual_B
+            weight_B = jnp.where(dual_B, 0.0, jax.lax.stop_gradient(x_B))
+            log_s_B = lr.log_ratio
+        else:  # sequence
+            log_s_B = sequence_log_ratio(delta_BT, mask_BT, clamp)
+            g = gate(cfg, log_s_B, adv)
+            loss_B, dual_B, weight_B = g.loss, g.dual, g.weight
+            low_BT, high_BT = g.low[:, None] & mask_BT, g.high[:, None] & mask_BT
+            seq_clipped_B = g.low | g.high | g.dual
+        policy_num = jnp.sum(jnp.where(seq_ok_B, loss_B, 0.0))
+        dual_BT = dual_B[:, None] & mask_BT
+        weight_BT = jnp.broadcast_to(weight_B[:, None], mask_BT.shape)
+    else:
+        adv_BT = jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, mask_BT.shape)
+        if cfg.ratio == "sequence_token":
+            log_x_BT = sequence_token_log_ratio(delta_BT, logp_BT, mask_BT, clamp)
+        else:
+            log_x_BT = clamp_log_ratio(delta_BT, clamp)
+        log_s_B = sequence_log_ratio(delta_BT, mask_BT, clamp)
+        g = gate(cfg, log_x_BT, adv_BT, jnp.where(mask_BT, logp_BT, 0.0))
+        low_BT, high_BT, dual_BT = g.low & mask_BT, g.high & mask_BT, g.dual & mask_BT
+        seq_clipped_B = jnp.any(low_BT | high_BT | dual_BT, axis=-1)
+        policy_num = token_loss_numerator(cfg.aggregation, g.loss, mask_BT, cfg.sum_norm_len)
+        weight_BT = g.weight
+
+    metrics: dict[str, Array] = {}
+    kl_num = jnp.zeros((), jnp.float32)
+    if cfg.kl_coef > 0:
+        d_BT = jnp.where(mask_BT, clamp_log_ratio(ref_BT - logp_BT, clamp), 0.0)
+        kl_BT = KL_FNS[cfg.kl_estimator](d_BT)
+        kl_agg = "seq_mean_token_mean" if cfg.aggregation == "sequence" else cfg.aggregation
+        kl_num = token_loss_numerator(kl_agg, kl_BT, mask_BT, cfg.sum_norm_len)
+        metrics["kl_ref"] = _masked_sum(kl_BT, mask_BT) / jnp.maximum(jnp.sum(mask_BT), 1)
+
+    policy = policy_num / denom
+    kl_term = cfg.kl_coef * kl_num / denom
+    loss = policy + kl_term
+    metrics.update(_diagnostics(clamp_log_ratio(delta_BT, clamp), log_s_B, adv, mask_BT, seq_ok_B,
+                                low_BT, high_BT, dual_BT, seq_clipped_B, weight_BT))
+    metrics.update(loss=loss, policy_loss=policy, kl_loss=kl_term, denominator=denom)
+    return loss, metrics
+
+
+def _diagnostics(delta_BT, log_s_B, adv, mask_BT, seq_ok_B, low_BT, high_BT, dual_BT,
+                 seq_clipped_B, weight_BT) -> dict[str, Array]:
+    """Everything listed under "Diagnostics" in ALGORITHMS.md, as float32 scalars (no gradient)."""
+    sg = jax.lax.stop_gradient
+    delta_BT, log_s_B, weight_BT = sg(delta_BT), sg(log_s_B), sg(weight_BT)
+    n_tok = jnp.maximum(jnp.sum(mask_BT), 1).astype(jnp.float32)
+    n_seq = jnp.maximum(jnp.sum(seq_ok_B), 1).astype(jnp.float32)
+    frac = lambda b: jnp.sum(b).astype(jnp.float32) / n_tok  # noqa: E731
+    r_min, r_max, r_mean = _masked_min_max_mean(jnp.exp(delta_BT), mask_BT)
+    s_min, s_max, s_mean = _masked_min_max_mean(jnp.exp(log_s_B), seq_ok_B)
+    zero_adv_B = (adv == 0) if adv.ndim == 1 else jnp.all((adv == 0) | ~mask_BT, axis=-1)
+    return {
+        "clip_frac": frac(low_BT | high_BT | dual_BT),
+        "clip_frac_low": frac(low_BT),
+        "clip_frac_high": frac(high_BT),
+        "dual_clip_frac": frac(dual_BT),
+        "seq_clip_frac": jnp.sum(seq_clipped_B & seq_ok_B) / n_seq,
+        "ratio_mean": r_mean, "ratio_min": r_min, "ratio_max": r_max,
+        "seq_ratio_mean": s_mean, "seq_ratio_min": s_min, "seq_ratio_max": s_max,
+        "approx_kl": _masked_sum(kl_k3(delta_BT), mask_BT) / n_tok,
+        "grad_weight_mean": _masked_sum(weight_BT, mask_BT) / n_tok,
+        "zero_adv_frac": jnp.sum(zero_adv_B & seq_ok_B) / n_seq,
+        "num_tokens": jnp.sum(mask_BT).astype(jnp.float32),
+        "num_seqs": jnp.sum(seq_ok_B).astype(jnp.float32),
+    }
