@@ -21,6 +21,7 @@ setup(
         "chex>=0.1.92",
         "transformers>=5.23.0",
         "ml_collections>=1.1.0",
+        "math-verify>=0.9.0",  # dataset-task rewards (GSM8K-style answers)
         "numpy>=2.0",
     ],
     extras_require={

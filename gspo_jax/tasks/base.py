@@ -1,0 +1,86 @@
+"""The common task interface: an `Example` and the `Task` protocol, plus the shared reward rule.
+
+A task samples examples from a numpy Generator, reads an answer out of a completion, scores it, and
+writes a correct completion (a demonstration) for a supervised warm start.
+"""
+
+from __future__ import annotations
+
+import abc
+import dataclasses
+import numbers
+from collections.abc import Mapping
+from typing import Any, Protocol, runtime_checkable
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True)
+class Example:
+    """One problem: the prompt shown to the model, the reference answer, and task-specific details."""
+
+    prompt: str
+    answer: str
+    meta: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+
+@runtime_checkable
+class Task(Protocol):
+    """What every task provides (built-in tasks are frozen dataclasses subclassing `VerifiableTask`)."""
+
+    name: str
+
+    def sample(self, rng: np.random.Generator) -> Example: ...
+
+    def extract_answer(self, completion: str) -> str | None: ...
+
+    def reward(self, completion: str, example: Example) -> float: ...
+
+    def demonstration(self, example: Example) -> str: ...
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class VerifiableTask(abc.ABC):
+    """Shared reward rule: 1.0 if correct; `format_reward` if an answer was given in the right format
+    (extract_answer is not None) but is wrong; 0.0 if no well-formed answer. Rewards lie in [0, 1]."""
+
+    format_reward: float = 0.0
+
+    def __post_init__(self) -> None:
+        fr = self.format_reward
+        if isinstance(fr, bool) or not isinstance(fr, numbers.Real) or not 0.0 <= fr < 1.0:
+            raise ValueError(f"format_reward must be a number in [0, 1), got {fr!r}")
+        object.__setattr__(self, "format_reward", float(fr))
+
+    @abc.abstractmethod
+    def sample(self, rng: np.random.Generator) -> Example:
+        """Draws one example."""
+
+    @abc.abstractmethod
+    def extract_answer(self, completion: str) -> str | None:
+        """The well-formed answer in `completion` (see `answers.py` for the format), or None."""
+
+    @abc.abstractmethod
+    def is_correct(self, answer: str, example: Example) -> bool:
+        """Whether an extracted answer solves `example`."""
+
+    @abc.abstractmethod
+    def demonstration(self, example: Example) -> str:
+        """A completion that earns reward 1 on `example`."""
+
+    def reward(self, completion: str, example: Example) -> float:
+        """Scores a completion (see the class docstring)."""
+        answer = self.extract_answer(completion)
+        if answer is None:
+            return 0.0
+        return 1.0 if self.is_correct(answer, example) else self.format_reward
+
+
+def check_int(name: str, value: object, low: int, high: int | None = None) -> int:
+    """Validates a difficulty knob: an integer in [low, high]; ValueError naming the field otherwise."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value < low or (high is not None and value > high):
+        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
+        raise ValueError(f"{name} must be {bounds}, got {value!r}")
+    return int(value)
