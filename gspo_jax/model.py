@@ -1,0 +1,451 @@
+"""Decoder-only transformer policy (Flax NNX), dense or sparse-MoE feed-forward per layer.
+
+Qwen3-MoE / Mixtral shaped: RMSNorm, RoPE (HF rotate_half), grouped-query attention
+with optional per-head q/k RMSNorm, SwiGLU FFN or `moe.MoE`, KV cache. Used
+functionally: `graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))` once,
+then the pure `apply(graphdef, state, ...)` under `jax.jit`.
+
+Positions are int32 [B,T]; a negative position marks a padding token: nothing attends
+to it and its own output is finite but meaningless.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from gspo_jax import moe, sharding
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# Large finite negative for masked attention scores: a fully masked row stays finite.
+MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """Architecture of the policy. Validated at construction (ValueError names the field)."""
+
+    vocab_size: int = 128
+    embed_dim: int = 64
+    num_layers: int = 2
+    num_heads: int = 4
+    num_kv_heads: int = 2
+    head_dim: int = 16
+    qk_norm: bool = True
+    rope_theta: float = 10_000.0
+    rms_eps: float = 1e-6
+    mlp_dim: int = 128  # dense FFN width (layers that are not MoE)
+    tie_embeddings: bool = False
+    # MoE
+    num_experts: int = 0  # 0: every layer dense
+    top_k: int = 2
+    moe_mlp_dim: int = 32
+    renormalize_topk: bool = True
+    moe_every: int = 1  # like Qwen3-MoE decoder_sparse_step
+    dense_layers: tuple[int, ...] = ()  # like Qwen3-MoE mlp_only_layers
+    lb_loss_coef: float = 0.0
+    z_loss_coef: float = 0.0
+    dispatch: str = "dense"  # 'dense' (all-experts einsum) | 'ragged' (sorted ragged_dot)
+    param_dtype: str = "float32"
+    dtype: str = "float32"  # compute dtype; router, softmax and logits are float32 regardless
+
+    def __post_init__(self):
+        object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
+
+        def bad(field, allowed):
+            raise ValueError(f"ModelConfig.{field}: must be {allowed}, got {getattr(self, field)!r}")
+
+        for f in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "moe_every"):
+            if int(getattr(self, f)) <= 0:
+                bad(f, "a positive integer")
+        if self.head_dim % 2:
+            bad("head_dim", "even (RoPE rotates pairs)")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"ModelConfig.num_heads: must be divisible by num_kv_heads={self.num_kv_heads}, got {self.num_heads}"
+            )
+        if not self.rope_theta > 0:
+            bad("rope_theta", "> 0")
+        if not self.rms_eps > 0:
+            bad("rms_eps", "> 0")
+        if self.num_experts < 0:
+            bad("num_experts", ">= 0 (0 = all layers dense)")
+        for i in self.dense_layers:
+            if not 0 <= i < self.num_layers:
+                bad("dense_layers", f"layer ids in [0, num_layers={self.num_layers})")
+        if self.num_experts > 0:
+            if not 1 <= self.top_k <= self.num_experts:
+                bad("top_k", f"in [1, num_experts={self.num_experts}]")
+            if self.moe_mlp_dim <= 0 and self.num_moe_layers:
+                bad("moe_mlp_dim", "a positive integer")
+        if self.mlp_dim <= 0 and self.num_moe_layers < self.num_layers:
+            bad("mlp_dim", "a positive integer (some layers are dense)")
+        if self.mlp_dim < 0:
+            bad("mlp_dim", ">= 0")
+        for f in ("lb_loss_coef", "z_loss_coef"):
+            if not getattr(self, f) >= 0:
+                bad(f, ">= 0")
+        if self.dispatch not in moe.DISPATCHES:
+            bad("dispatch", f"one of {moe.DISPATCHES}")
+        for f in ("param_dtype", "dtype"):
+            if getattr(self, f) not in DTYPES:
+                bad(f, f"one of {tuple(DTYPES)}")
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Qwen3-MoE rule: MoE iff experts exist, (i+1) % moe_every == 0 and i not in dense_layers."""
+        return self.num_experts > 0 and (i + 1) % self.moe_every == 0 and i not in self.dense_layers
+
+    @property
+    def moe_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
+
+    @property
+    def num_moe_layers(self) -> int:
+        return len(self.moe_layer_ids)
+
+    @property
+    def jnp_dtype(self):
+        return DTYPES[self.dtype]
+
+    @property
+    def jnp_param_dtype(self):
+        return DTYPES[self.param_dtype]
+
+
+PRESETS: dict[str, ModelConfig] = {
+    # Fast on CPU: layer 0 dense, layers 1-2 MoE (8 experts, top-2).
+    "tiny": ModelConfig(
+        vocab_size=128, embed_dim=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
+        qk_norm=True, mlp_dim=128, num_experts=8, top_k=2, moe_mlp_dim=32, dense_layers=(0,),
+        lb_loss_coef=0.01, z_loss_coef=0.001,
+    ),
+    "qwen3_30b_a3b": ModelConfig(
+        vocab_size=151936, embed_dim=2048, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
+        qk_norm=True, rope_theta=1e6, rms_eps=1e-6, mlp_dim=6144, tie_embeddings=False,
+        num_experts=128, top_k=8, moe_mlp_dim=768, renormalize_topk=True, moe_every=1,
+        lb_loss_coef=0.001, dispatch="ragged", param_dtype="bfloat16", dtype="bfloat16",
+    ),
+    "mixtral_8x7b": ModelConfig(
+        vocab_size=32000, embed_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
+        qk_norm=False, rope_theta=1e6, rms_eps=1e-5, mlp_dim=14336, tie_embeddings=False,
+        num_experts=8, top_k=2, moe_mlp_dim=14336, renormalize_topk=True, moe_every=1,
+        lb_loss_coef=0.02, dispatch="ragged", param_dtype="bfloat16", dtype="bfloat16",
+    ),
+}
+
+
+def get_config(name: str, **overrides) -> ModelConfig:
+    """A named preset with fields overridden (re-validated)."""
+    if name not in PRESETS:
+        raise ValueError(f"get_config: unknown preset {name!r}; known {tuple(PRESETS)}")
+    return dataclasses.replace(PRESETS[name], **overrides)
+
+
+# ---------------------------------------------------------------------------- pytrees
+
+
+@functools.partial(jax.tree_util.register_dataclass, data_fields=["k", "v", "positions", "index"], meta_fields=[])
+@dataclasses.dataclass(frozen=True)
+class KVCache:
+    """Preallocated keys/values for every layer; slot positions -1 mark empty slots."""
+
+    k: jax.Array  # [L, B, S, KVH, Dh]
+    v: jax.Array  # [L, B, S, KVH, Dh]
+    positions: jax.Array  # int32 [B, S]
+    index: jax.Array  # int32 scalar: next slot to write
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
+    """An empty cache of `max_len` slots (compute dtype unless `dtype` is given)."""
+    dtype = cfg.jnp_dtype if dtype is None else DTYPES.get(dtype, dtype)
+    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    return KVCache(
+        k=jnp.zeros(shape, dtype),
+        v=jnp.zeros(shape, dtype),
+        positions=jnp.full((batch, max_len), -1, jnp.int32),
+        index=jnp.zeros((), jnp.int32),
+    )
+
+
+class ModelAux(NamedTuple):
+    """Side outputs of a forward pass (a pytree).
+
+    lb_loss / z_loss are raw (unweighted) means over MoE layers; aux_loss is
+    lb_loss_coef * lb_loss + z_loss_coef * z_loss, the term to add to a training loss.
+    """
+
+    topk: jax.Array  # int32 [L_moe, B, T, k] experts used (the forced ones under replay)
+    router_logits: jax.Array | None  # float32 [L_moe, B, T, E] when asked for
+    lb_loss: jax.Array
+    z_loss: jax.Array
+    aux_loss: jax.Array
+    cache: KVCache | None
+
+
+def positions_from_mask(mask_BT: jax.Array) -> jax.Array:
+    """Positions 0,1,.. over real tokens, -1 on padding (e.g. left-padded prompts)."""
+    mask_BT = mask_BT.astype(bool)
+    return jnp.where(mask_BT, jnp.cumsum(mask_BT, axis=-1) - 1, -1).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------- layers
+
+
+def _fan_in(in_axis, out_axis):
+    return nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis)
+
+
+class RMSNorm(nnx.Module):
+    """x / rms(x) * scale, normalised in float32 (HF Qwen3/Mixtral RMSNorm)."""
+
+    def __init__(self, dim: int, eps: float, *, param_dtype, rngs: nnx.Rngs):
+        self.eps = eps
+        self.scale = sharding.param(rngs, nnx.initializers.ones, (dim,), ("norm",), param_dtype)
+
+    def __call__(self, x):
+        x32 = x.astype(jnp.float32)
+        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return y.astype(x.dtype) * self.scale[...].astype(x.dtype)
+
+
+def apply_rope(x_BTHD: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding, HF rotate_half layout (first half / second half of head_dim).
+
+    Negative (padding) positions rotate as position 0.
+    """
+    D = x_BTHD.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D))
+    angles_BTF = jnp.maximum(positions_BT, 0).astype(jnp.float32)[..., None] * inv_freq
+    angles_BTD = jnp.concatenate([angles_BTF, angles_BTF], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(angles_BTD).astype(x_BTHD.dtype), jnp.sin(angles_BTD).astype(x_BTHD.dtype)
+    x1, x2 = x_BTHD[..., : D // 2], x_BTHD[..., D // 2 :]
+    rotated = jnp.concatenate([-x2, x1], axis=-1)
+    return x_BTHD * cos + rotated * sin
+
+
+def attention_mask(q_pos_BT, k_pos_BS, q_slot_T, k_slot_S) -> jax.Array:
+    """[B,T,S] bool: key allowed iff key_pos >= 0, key_pos <= query_pos and key slot <= query slot."""
+    return (
+        (k_pos_BS >= 0)[:, None, :]
+        & (k_pos_BS[:, None, :] <= q_pos_BT[:, :, None])
+        & (k_slot_S[None, None, :] <= q_slot_T[None, :, None])
+    )
+
+
+class Attention(nnx.Module):
+    """Grouped-query self-attention with optional per-head q/k RMSNorm (before RoPE, as Qwen3)."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        D, H, KV, Dh, pd = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.jnp_param_dtype
+        self.cfg = cfg
+        self.q_proj = sharding.param(rngs, _fan_in(0, (1, 2)), (D, H, Dh), ("embed", "heads", "head_dim"), pd)
+        self.k_proj = sharding.param(rngs, _fan_in(0, (1, 2)), (D, KV, Dh), ("embed", "kv_heads", "head_dim"), pd)
+        self.v_proj = sharding.param(rngs, _fan_in(0, (1, 2)), (D, KV, Dh), ("embed", "kv_heads", "head_dim"), pd)
+        self.o_proj = sharding.param(rngs, _fan_in((0, 1), 2), (H, Dh, D), ("heads", "head_dim", "embed"), pd)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(Dh, cfg.rms_eps, param_dtype=pd, rngs=rngs)
+            self.k_norm = RMSNorm(Dh, cfg.rms_eps, param_dtype=pd, rngs=rngs)
+
+    def __call__(self, x_BTD, positions_BT, kv=None):
+        """kv=None: attend within the chunk. kv=(k_all, v_all, key_pos_BS, index, layer): write this
+        chunk's keys/values into the cache at slots index.., attend over all S slots, return new k_all, v_all."""
+        cfg, dtype = self.cfg, x_BTD.dtype
+        B, T, _ = x_BTD.shape
+        q_BTHD = jnp.einsum("btd,dhk->bthk", x_BTD, self.q_proj[...].astype(dtype))
+        k_BTKD = jnp.einsum("btd,dhk->bthk", x_BTD, self.k_proj[...].astype(dtype))
+        v_BTKD = jnp.einsum("btd,dhk->bthk", x_BTD, self.v_proj[...].astype(dtype))
+        if cfg.qk_norm:
+            q_BTHD, k_BTKD = self.q_norm(q_BTHD), self.k_norm(k_BTKD)
+        q_BTHD = apply_rope(q_BTHD, positions_BT, cfg.rope_theta)
+        k_BTKD = apply_rope(k_BTKD, positions_BT, cfg.rope_theta)
+        q_slot_T = jnp.arange(T, dtype=jnp.int32)
+        if kv is None:
+            k_BSKD, v_BSKD, key_pos_BS, k_slot_S, new_kv = k_BTKD, v_BTKD, positions_BT, q_slot_T, None
+        else:
+            k_all, v_all, key_pos_BS, index, layer = kv
+            zero = jnp.zeros((), jnp.int32)
+            start = (jnp.asarray(layer, jnp.int32), zero, index, zero, zero)
+            k_all = jax.lax.dynamic_update_slice(k_all, k_BTKD[None].astype(k_all.dtype), start)
+            v_all = jax.lax.dynamic_update_slice(v_all, v_BTKD[None].astype(v_all.dtype), start)
+            k_BSKD, v_BSKD = k_all[layer].astype(dtype), v_all[layer].astype(dtype)
+            k_slot_S = jnp.arange(k_all.shape[2], dtype=jnp.int32)
+            q_slot_T = q_slot_T + index
+            new_kv = (k_all, v_all)
+        G = cfg.num_heads // cfg.num_kv_heads
+        q_BTKGD = q_BTHD.reshape(B, T, cfg.num_kv_heads, G, cfg.head_dim)
+        scores_BKGTS = jnp.einsum(
+            "btkgd,bskd->bkgts", q_BTKGD, k_BSKD, preferred_element_type=jnp.float32
+        ) * (cfg.head_dim**-0.5)
+        mask_BTS = attention_mask(positions_BT, key_pos_BS, q_slot_T, k_slot_S)
+        scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, MASK_VALUE)
+        probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1)
+        # A query with no allowed key (padding) reads nothing, rather than an average of arbitrary
+        # slots: its output then cannot depend on stale cache contents.
+        probs_BKGTS = (probs_BKGTS * jnp.any(mask_BTS, axis=-1)[:, None, None, :, None]).astype(dtype)
+        out_BTKGD = jnp.einsum("bkgts,bskd->btkgd", probs_BKGTS, v_BSKD)
+        out_BTHD = out_BTKGD.reshape(B, T, cfg.num_heads, cfg.head_dim)
+        return jnp.einsum("bthk,hkd->btd", out_BTHD, self.o_proj[...].astype(dtype)), new_kv
+
+
+class MLP(nnx.Module):
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, embed_dim: int, mlp_dim: int, *, param_dtype, rngs: nnx.Rngs):
+        self.gate_proj = sharding.param(rngs, _fan_in(0, 1), (embed_dim, mlp_dim), ("embed", "mlp"), param_dtype)
+        self.up_proj = sharding.param(rngs, _fan_in(0, 1), (embed_dim, mlp_dim), ("embed", "mlp"), param_dtype)
+        self.down_proj = sharding.param(rngs, _fan_in(0, 1), (mlp_dim, embed_dim), ("mlp", "embed"), param_dtype)
+
+    def __call__(self, x_BTD):
+        dtype = x_BTD.dtype
+        h_BTM = jax.nn.silu(x_BTD @ self.gate_proj[...].astype(dtype)) * (x_BTD @ self.up_proj[...].astype(dtype))
+        return h_BTM @ self.down_proj[...].astype(dtype)
+
+
+class Block(nnx.Module):
+    """Pre-norm decoder layer: x + attn(norm(x)), then + ffn(norm(x)) with a dense or MoE ffn."""
+
+    def __init__(self, cfg: ModelConfig, layer: int, *, rngs: nnx.Rngs):
+        pd = cfg.jnp_param_dtype
+        self.is_moe = cfg.is_moe_layer(layer)
+        self.input_layernorm = RMSNorm(cfg.embed_dim, cfg.rms_eps, param_dtype=pd, rngs=rngs)
+        self.self_attn = Attention(cfg, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.embed_dim, cfg.rms_eps, param_dtype=pd, rngs=rngs)
+        if self.is_moe:
+            self.mlp = moe.MoE(
+                cfg.embed_dim, cfg.num_experts, cfg.top_k, cfg.moe_mlp_dim,
+                renormalize=cfg.renormalize_topk, dispatch=cfg.dispatch,
+                param_dtype=pd, dtype=cfg.jnp_dtype, rngs=rngs,
+            )
+        else:
+            self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, param_dtype=pd, rngs=rngs)
+
+    def __call__(self, x_BTD, positions_BT, kv=None, forced_topk_BTK=None):
+        """Returns (x, new_kv, router stats or None)."""
+        h_BTD, new_kv = self.self_attn(self.input_layernorm(x_BTD), positions_BT, kv)
+        x_BTD = x_BTD + h_BTD
+        h_BTD = self.post_attention_layernorm(x_BTD)
+        if self.is_moe:
+            h_BTD, stats = self.mlp(h_BTD, positions_BT >= 0, forced_topk_BTK)
+        else:
+            h_BTD, stats = self.mlp(h_BTD), None
+        return x_BTD + h_BTD.astype(x_BTD.dtype), new_kv, stats
+
+
+class Transformer(nnx.Module):
+    """Token embedding, `num_layers` Blocks, final RMSNorm, (tied or untied) LM head."""
+
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+        pd = cfg.jnp_param_dtype
+        self.cfg = cfg
+        # Unit-scale embeddings; tied ones are scaled down so initial logits stay O(1).
+        embed_std = cfg.embed_dim**-0.5 if cfg.tie_embeddings else 1.0
+        self.embed_tokens = sharding.param(
+            rngs, nnx.initializers.normal(embed_std), (cfg.vocab_size, cfg.embed_dim), ("vocab", "embed"), pd
+        )
+        self.layers = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
+        self.norm = RMSNorm(cfg.embed_dim, cfg.rms_eps, param_dtype=pd, rngs=rngs)
+        if not cfg.tie_embeddings:
+            self.lm_head = sharding.param(
+                rngs, _fan_in(0, 1), (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"), pd
+            )
+
+    def __call__(
+        self,
+        tokens_BT: jax.Array,
+        positions_BT: jax.Array,
+        cache: KVCache | None = None,
+        forced_topk: jax.Array | None = None,
+        return_router_logits: bool = False,
+    ) -> tuple[jax.Array, ModelAux]:
+        """float32 logits [B,T,V] and `ModelAux`; see `apply`."""
+        cfg, dtype = self.cfg, self.cfg.jnp_dtype
+        B, T = tokens_BT.shape
+        L_moe, K = cfg.num_moe_layers, max(cfg.top_k, 1)
+        if forced_topk is not None and tuple(forced_topk.shape) != (L_moe, B, T, K):
+            raise ValueError(f"forced_topk: expected shape {(L_moe, B, T, K)}, got {tuple(forced_topk.shape)}")
+        positions_BT = positions_BT.astype(jnp.int32)
+        x_BTD = jnp.take(self.embed_tokens[...], tokens_BT, axis=0).astype(dtype)
+        if cache is not None:
+            index = cache.index.astype(jnp.int32)
+            key_pos_BS = jax.lax.dynamic_update_slice(cache.positions, positions_BT, (jnp.zeros((), jnp.int32), index))
+            k_all, v_all = cache.k, cache.v
+        stats = []
+        for i, layer in enumerate(self.layers):
+            kv = None if cache is None else (k_all, v_all, key_pos_BS, index, i)
+            forced = None if forced_topk is None or not layer.is_moe else forced_topk[len(stats)]
+            x_BTD, new_kv, s = layer(x_BTD, positions_BT, kv, forced)
+            if cache is not None:
+                k_all, v_all = new_kv
+            if s is not None:
+                stats.append(s)
+        x_BTD = self.norm(x_BTD)
+        head_DV = self.embed_tokens[...].T if cfg.tie_embeddings else self.lm_head[...]
+        logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head_DV.astype(dtype), preferred_element_type=jnp.float32)
+
+        if stats:
+            topk = jnp.stack([s.topk_BTK for s in stats])
+            router_logits = jnp.stack([s.logits_BTE for s in stats]) if return_router_logits else None
+            lb_loss = jnp.mean(jnp.stack([s.lb_loss for s in stats]))
+            z_loss = jnp.mean(jnp.stack([s.z_loss for s in stats]))
+        else:
+            topk = jnp.zeros((0, B, T, K), jnp.int32)
+            router_logits = jnp.zeros((0, B, T, cfg.num_experts), jnp.float32) if return_router_logits else None
+            lb_loss = z_loss = jnp.zeros((), jnp.float32)
+        new_cache = None
+        if cache is not None:
+            new_cache = KVCache(k=k_all, v=v_all, positions=key_pos_BS, index=index + T)
+        aux = ModelAux(
+            topk=topk,
+            router_logits=router_logits,
+            lb_loss=lb_loss,
+            z_loss=z_loss,
+            aux_loss=cfg.lb_loss_coef * lb_loss + cfg.z_loss_coef * z_loss,
+            cache=new_cache,
+        )
+        return logits_BTV, aux
+
+
+def apply(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    tokens: jax.Array,
+    positions: jax.Array,
+    cache: KVCache | None = None,
+    forced_topk: jax.Array | None = None,
+    return_router_logits: bool = False,
+) -> tuple[jax.Array, ModelAux]:
+    """Pure forward pass: merges (graphdef, state) and runs the model.
+
+    tokens, positions: int32 [B,T] (negative position = padding). With `cache`, the T
+    tokens are written at slots cache.index.. and attend over the whole cache; the
+    updated cache is in aux.cache (the caller must keep index + T <= max_len; past it
+    the write start is clamped). `forced_topk` [L_moe,B,T,k] replays a routing.
+    Jit with `graphdef` and `return_router_logits` static, e.g.
+    `jax.jit(functools.partial(apply, graphdef), static_argnames="return_router_logits")`.
+    """
+    model = nnx.merge(graphdef, state)
+    return model(tokens, positions, cache=cache, forced_topk=forced_topk, return_router_logits=return_router_logits)
+
+
+def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, abstract state of ShapeDtypeStructs) without allocating parameters."""
+    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+
+
+def count_params(cfg: ModelConfig) -> tuple[int, int]:
+    """(total, active per token): active counts top_k / num_experts of the expert weights."""
+    _, state = abstract_model(cfg)
+    total = expert = 0
+    for v in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
+        n = int(v.get_value().size)
+        total += n
+        axes = v.get_metadata().get("out_sharding") or ()
+        if len(axes) == 3 and axes[0] == "expert":
+            expert += n
+    active = total - expert + (expert * cfg.top_k) // max(cfg.num_experts, 1)
+    return total, active

@@ -1,0 +1,202 @@
+"""Logical-axis sharding: one rules table maps parameter axis names onto a
+("data", "fsdp", "expert", "tensor") mesh; helpers give `NamedSharding`s for
+params, optimizer state, batches and the KV cache, for `jax.jit` in/out shardings.
+
+Every parameter is an `nnx.Param` whose `out_sharding` metadata holds its logical
+axis names (see `param`); nothing here knows the model's structure.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+
+MESH_AXES = ("data", "fsdp", "expert", "tensor")
+
+# Logical axis names a parameter (or activation) dimension may carry.
+LOGICAL_AXES = (
+    "batch", "embed", "vocab", "heads", "kv_heads", "head_dim", "mlp", "expert",
+    "layers", "norm", "cache_seq",
+)
+
+# The one rules table: logical axis -> mesh axis (or tuple of mesh axes, or None).
+RULES: tuple[tuple[str, Any], ...] = (
+    ("batch", ("data", "fsdp")),
+    ("embed", "fsdp"),
+    ("vocab", "tensor"),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("head_dim", None),
+    ("mlp", "tensor"),
+    ("expert", "expert"),
+    ("layers", None),
+    ("norm", None),
+    ("cache_seq", None),
+)
+
+
+def param(
+    rngs: nnx.Rngs,
+    init: Callable,
+    shape: Sequence[int],
+    axes: Sequence[str | None],
+    dtype: Any,
+) -> nnx.Param:
+    """An `nnx.Param` initialised by `init` and annotated with logical `axes`.
+
+    Eager sharding is off so a model can be built without a mesh; shardings are
+    applied later from the annotations (`param_shardings`).
+    """
+    shape, axes = tuple(shape), tuple(axes)
+    if len(shape) != len(axes):
+        raise ValueError(f"param: {len(axes)} axis names {axes} for shape {shape}")
+    unknown = [a for a in axes if a is not None and a not in LOGICAL_AXES]
+    if unknown:
+        raise ValueError(f"param: unknown logical axes {unknown}; allowed {LOGICAL_AXES}")
+    return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=axes, eager_sharding=False)
+
+
+def make_mesh(data: int = 1, fsdp: int = 1, expert: int = 1, tensor: int = 1, devices=None) -> Mesh:
+    """A 4-axis ("data","fsdp","expert","tensor") mesh over the first data*fsdp*expert*tensor devices."""
+    sizes = (data, fsdp, expert, tensor)
+    if any(int(s) < 1 for s in sizes):
+        raise ValueError(f"make_mesh: axis sizes must be >= 1, got {dict(zip(MESH_AXES, sizes))}")
+    devices = list(jax.devices() if devices is None else devices)
+    n = math.prod(sizes)
+    if n > len(devices):
+        raise ValueError(f"make_mesh: mesh {dict(zip(MESH_AXES, sizes))} needs {n} devices, have {len(devices)}")
+    grid = np.asarray(devices[:n], dtype=object).reshape(sizes)
+    return Mesh(grid, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def _as_tuple(axes) -> tuple[str, ...]:
+    if axes is None:
+        return ()
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
+def logical_to_spec(
+    names: Sequence[str | None],
+    rules: Sequence[tuple[str, Any]] = RULES,
+    shape: Sequence[int] | None = None,
+    mesh: Mesh | None = None,
+) -> P:
+    """PartitionSpec for logical axis `names` under `rules`.
+
+    A mesh axis already used by an earlier dimension is dropped; with `shape` and
+    `mesh` given, so is one whose size does not divide what is left of the dimension.
+    """
+    table = dict(rules)
+    used: set[str] = set()
+    spec = []
+    for i, name in enumerate(names):
+        kept = []
+        left = None if shape is None else int(shape[i])
+        for ax in _as_tuple(table.get(name) if name is not None else None):
+            if ax in used:
+                continue
+            if mesh is not None and left is not None:
+                size = mesh.shape[ax]
+                if left % size:
+                    continue
+                left //= size
+            kept.append(ax)
+            used.add(ax)
+        spec.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+    return P(*spec)
+
+
+def _is_var(x) -> bool:
+    return isinstance(x, nnx.Variable)
+
+
+def logical_axes(state) -> Any:
+    """The state's tree with each Variable's value replaced by its logical axis names."""
+    return jax.tree.map(
+        lambda v: v.replace(tuple(v.get_metadata().get("out_sharding") or ())),
+        state, is_leaf=_is_var,
+    )
+
+
+def param_shardings(mesh: Mesh, abstract_state, rules: Sequence[tuple[str, Any]] = RULES):
+    """`NamedSharding`s matching an (abstract) NNX state, from its logical annotations.
+
+    Returns the same tree as `abstract_state` (Variables holding shardings), usable
+    as `jax.jit` in/out shardings or with `jax.device_put`; an unannotated Variable
+    is replicated.
+    """
+
+    def one(v):
+        names = v.get_metadata().get("out_sharding") or (None,) * len(v.get_value().shape)
+        return v.replace(NamedSharding(mesh, logical_to_spec(names, rules, v.get_value().shape, mesh)))
+
+    return jax.tree.map(one, abstract_state, is_leaf=_is_var)
+
+
+def _key_str(k) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _norm_path(path) -> tuple[str, ...]:
+    keys = tuple(_key_str(k) for k in path)
+    return keys[:-1] if keys and keys[-1] == "value" else keys
+
+
+def _fits(s: NamedSharding, shape: tuple[int, ...]) -> bool:
+    """Whether sharding `s` is valid for an array of `shape` (same rank, divisible dims)."""
+    if len(s.spec) != len(shape):
+        return False
+    return all(d % math.prod(s.mesh.shape[a] for a in _as_tuple(ax)) == 0 for d, ax in zip(shape, s.spec))
+
+
+def opt_state_shardings(mesh: Mesh, opt_state_abstract, param_shardings_tree):
+    """Shardings for an optax state: a leaf whose key path ends with a parameter's path
+    and a shape that sharding fits is sharded like it (moments); anything else
+    (step counts, scalars, factored statistics of another rank) is replicated.
+
+    Matching by path suffix works whether params are an `nnx.State` or a pure dict.
+    """
+    by_path: dict[tuple[str, ...], NamedSharding] = {}
+    for path, s in jax.tree_util.tree_flatten_with_path(param_shardings_tree)[0]:
+        by_path[_norm_path(path)] = s
+    replicated = NamedSharding(mesh, P())
+
+    def one(path, leaf):
+        keys = _norm_path(path)
+        shape = tuple(getattr(leaf, "shape", ()))
+        for i in range(len(keys)):
+            s = by_path.get(keys[i:])
+            if s is not None:
+                return s if _fits(s, shape) else replicated
+        return replicated
+
+    return jax.tree_util.tree_map_with_path(one, opt_state_abstract)
+
+
+def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
+    """Leading (batch) dimension over ("data", "fsdp"); the rest replicated."""
+    return NamedSharding(mesh, P(("data", "fsdp"), *([None] * (ndim - 1))))
+
+
+def cache_shardings(mesh: Mesh, cache, rules: Sequence[tuple[str, Any]] = RULES):
+    """Shardings for a `model.KVCache`: batch over ("data","fsdp"), kv heads over "tensor"."""
+    kv = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+
+    def ns(names, x):
+        return NamedSharding(mesh, logical_to_spec(names, rules, x.shape, mesh))
+
+    return type(cache)(
+        k=ns(kv, cache.k),
+        v=ns(kv, cache.v),
+        positions=ns(("batch", "cache_seq"), cache.positions),
+        index=NamedSharding(mesh, P()),
+    )

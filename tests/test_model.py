@@ -1,0 +1,431 @@
+"""Tests for the NNX decoder (model.py) and the MoE layer (moe.py)."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gspo_jax import model as M
+from gspo_jax import moe, sharding
+
+B, T = 2, 8
+
+
+def build(cfg, seed=0):
+    return nnx.split(M.Transformer(cfg, rngs=nnx.Rngs(seed)))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    cfg = M.get_config("tiny")
+    graphdef, state = build(cfg)
+    return cfg, graphdef, state
+
+
+def random_tokens(seed, shape=(B, T), vocab=128):
+    return jax.random.randint(jax.random.key(seed), shape, 0, vocab, dtype=jnp.int32)
+
+
+def arange_positions(b=B, t=T):
+    return jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+
+
+@functools.cache
+def _fwd(graphdef, kw_items):
+    return functools.partial(M.apply, graphdef, **dict(kw_items))
+
+
+def fwd(graphdef, **kw):
+    """`apply` with graphdef bound; the same object for the same arguments, so jit caches are shared."""
+    return _fwd(graphdef, tuple(sorted(kw.items())))
+
+
+def router_params(state):
+    """The router weights of every MoE layer, as a list."""
+    return [layer["mlp"]["router"][...] for _, layer in sorted(state["layers"].items()) if "router" in layer["mlp"]]
+
+
+def set_routers(state, value_fn):
+    """A copy of `state` with each router weight replaced by value_fn(old)."""
+    state = jax.tree.map(lambda x: x, state)
+    for layer in state["layers"].values():
+        if "router" in layer["mlp"]:
+            layer["mlp"]["router"] = layer["mlp"]["router"].replace(value_fn(layer["mlp"]["router"][...]))
+    return state
+
+
+# ------------------------------------------------------------------ config
+
+
+def test_config_layer_rule():
+    cfg = M.ModelConfig(num_layers=6, num_experts=4, top_k=2, moe_every=2, dense_layers=(3,))
+    assert cfg.moe_layer_ids == (1, 5)
+    assert cfg.num_moe_layers == 2
+    assert M.ModelConfig(num_layers=3, num_experts=0).moe_layer_ids == ()
+    assert M.get_config("tiny").moe_layer_ids == (1, 2)
+    assert M.get_config("qwen3_30b_a3b").num_moe_layers == 48
+
+
+@pytest.mark.parametrize(
+    "overrides, field",
+    [
+        (dict(num_heads=6, num_kv_heads=4), "num_heads"),
+        (dict(num_experts=4, top_k=5), "top_k"),
+        (dict(num_experts=4, top_k=0), "top_k"),
+        (dict(dispatch="sparse"), "dispatch"),
+        (dict(dtype="float8"), "dtype"),
+        (dict(param_dtype="int8"), "param_dtype"),
+        (dict(embed_dim=0), "embed_dim"),
+        (dict(vocab_size=-3), "vocab_size"),
+        (dict(num_layers=0), "num_layers"),
+        (dict(head_dim=7), "head_dim"),
+        (dict(moe_every=0), "moe_every"),
+        (dict(num_layers=2, dense_layers=(2,)), "dense_layers"),
+        (dict(num_layers=2, dense_layers=(-1,)), "dense_layers"),
+        (dict(num_experts=-1), "num_experts"),
+        (dict(num_experts=4, moe_mlp_dim=0), "moe_mlp_dim"),
+        (dict(num_experts=0, mlp_dim=0), "mlp_dim"),
+        (dict(rms_eps=0.0), "rms_eps"),
+        (dict(rope_theta=-1.0), "rope_theta"),
+        (dict(lb_loss_coef=-0.1), "lb_loss_coef"),
+    ],
+)
+def test_bad_config_raises(overrides, field):
+    with pytest.raises(ValueError, match=field):
+        M.ModelConfig(**overrides)
+
+
+def test_all_moe_config_needs_no_dense_width():
+    cfg = M.ModelConfig(num_experts=4, top_k=2, mlp_dim=0)
+    assert cfg.num_moe_layers == cfg.num_layers
+
+
+def test_qwen3_30b_a3b_param_count():
+    cfg = M.get_config("qwen3_30b_a3b")
+    total, active = M.count_params(cfg)
+    assert total == 30_532_122_624  # what Hugging Face reports for Qwen3-30B-A3B
+    # Everything but the experts, plus top_k/num_experts of them.
+    per_layer_dense = 2048 * (32 + 4 + 4) * 128 + 32 * 128 * 2048 + 2 * 128 + 2 * 2048 + 2048 * 128
+    expert = 3 * 2048 * 768
+    assert active == 48 * (per_layer_dense + 8 * expert) + 2 * 151936 * 2048 + 2048
+    assert abs(total / 30.53e9 - 1) < 0.02
+    assert abs(active / 3.34e9 - 1) < 0.02
+
+
+# ------------------------------------------------------------------ forward basics
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_shapes_and_dtypes(maybe_jit, dtype):
+    cfg = M.get_config("tiny", param_dtype=dtype, dtype=dtype)
+    graphdef, state = build(cfg)
+    assert all(x.dtype == jnp.dtype(dtype) for x in jax.tree.leaves(state))
+    fn = maybe_jit(fwd(graphdef, return_router_logits=True))
+    logits, aux = fn(state, random_tokens(0), arange_positions())
+    assert logits.shape == (B, T, cfg.vocab_size) and logits.dtype == jnp.float32
+    assert aux.topk.shape == (2, B, T, cfg.top_k) and aux.topk.dtype == jnp.int32
+    assert aux.router_logits.shape == (2, B, T, cfg.num_experts) and aux.router_logits.dtype == jnp.float32
+    assert aux.lb_loss.shape == () and aux.z_loss.shape == () and aux.cache is None
+    np.testing.assert_allclose(aux.aux_loss, cfg.lb_loss_coef * aux.lb_loss + cfg.z_loss_coef * aux.z_loss, rtol=1e-6)
+    assert np.isfinite(np.asarray(logits)).all()
+    assert ((aux.topk >= 0) & (aux.topk < cfg.num_experts)).all()
+    # Top-k indices are distinct per token.
+    assert (aux.topk[..., 0] != aux.topk[..., 1]).all()
+
+    logits, aux = fn(state, random_tokens(0), arange_positions())
+    assert aux.router_logits is not None
+    _, aux = maybe_jit(fwd(graphdef))(state, random_tokens(0), arange_positions())
+    assert aux.router_logits is None
+
+
+def test_dense_model_has_empty_topk(maybe_jit):
+    cfg = M.ModelConfig(num_layers=2, num_experts=0, top_k=3)
+    graphdef, state = build(cfg)
+    logits, aux = maybe_jit(fwd(graphdef, return_router_logits=True))(state, random_tokens(1), arange_positions())
+    assert logits.shape == (B, T, cfg.vocab_size)
+    assert aux.topk.shape == (0, B, T, 3) and aux.topk.dtype == jnp.int32
+    assert aux.router_logits.shape == (0, B, T, 0)
+    assert float(aux.lb_loss) == 0.0 and float(aux.z_loss) == 0.0
+
+
+def test_tied_embeddings(maybe_jit):
+    cfg = M.get_config("tiny", tie_embeddings=True)
+    graphdef, state = build(cfg)
+    assert "lm_head" not in state
+    logits, _ = maybe_jit(fwd(graphdef))(state, random_tokens(2), arange_positions())
+    assert logits.shape == (B, T, cfg.vocab_size) and np.isfinite(np.asarray(logits)).all()
+
+
+def test_causality(maybe_jit, tiny):
+    cfg, graphdef, state = tiny
+    fn = maybe_jit(fwd(graphdef))
+    tokens = random_tokens(3)
+    base, aux0 = fn(state, tokens, arange_positions())
+    for t in (3, T - 1):
+        changed = tokens.at[:, t].set((tokens[:, t] + 1) % cfg.vocab_size)
+        logits, aux = fn(state, changed, arange_positions())
+        np.testing.assert_allclose(logits[:, :t], base[:, :t], atol=1e-6, rtol=0)
+        np.testing.assert_array_equal(aux.topk[:, :, :t], aux0.topk[:, :, :t])
+        assert np.abs(np.asarray(logits[:, t:] - base[:, t:])).max() > 1e-4
+
+
+def test_left_padding_matches_unpadded(maybe_jit, tiny):
+    _, graphdef, state = tiny
+    fn = maybe_jit(fwd(graphdef))
+    n, pad = 5, T - 5
+    real = random_tokens(4, (1, n))
+    # Row 0: the n real tokens then more tokens (causality keeps its first n logits those of
+    # the unpadded sequence); row 1: the same n tokens left-padded by `pad` pad tokens.
+    tail = random_tokens(5, (1, pad))
+    for pad_token in (0, 77):
+        row1 = jnp.concatenate([jnp.full((1, pad), pad_token, jnp.int32), real], axis=1)
+        tokens = jnp.concatenate([jnp.concatenate([real, tail], axis=1), row1])
+        positions = M.positions_from_mask(jnp.stack([jnp.ones(T, bool), jnp.arange(T) >= pad]))
+        np.testing.assert_array_equal(positions[1], [-1, -1, -1, 0, 1, 2, 3, 4])
+        logits, aux = fn(state, tokens, positions)
+        assert np.isfinite(np.asarray(logits)).all()
+        np.testing.assert_allclose(logits[1, pad:], logits[0, :n], atol=1e-5, rtol=1e-5)
+        np.testing.assert_array_equal(aux.topk[:, 1, pad:], aux.topk[:, 0, :n])
+
+
+def test_fully_padded_row_is_finite(maybe_jit, tiny):
+    _, graphdef, state = tiny
+    positions = jnp.stack([jnp.full((T,), -1, jnp.int32), jnp.arange(T, dtype=jnp.int32)])
+    logits, aux = maybe_jit(fwd(graphdef))(state, random_tokens(5), positions)
+    assert np.isfinite(np.asarray(logits)).all()
+    assert np.isfinite(float(aux.lb_loss)) and np.isfinite(float(aux.z_loss))
+
+
+@pytest.mark.parametrize("dispatch", ["dense", "ragged"])
+def test_dropless_token_independent_of_other_rows(maybe_jit, tiny, dispatch):
+    cfg, _, state = tiny
+    graphdef, _ = build(dataclasses.replace(cfg, dispatch=dispatch))
+    fn = maybe_jit(fwd(graphdef))
+    tokens = random_tokens(6)
+    base, aux0 = fn(state, tokens, arange_positions())
+    other = tokens.at[1].set(random_tokens(7, (T,)))
+    logits, aux = fn(state, other, arange_positions())
+    np.testing.assert_allclose(logits[0], base[0], atol=1e-6, rtol=0)
+    np.testing.assert_array_equal(aux.topk[:, 0], aux0.topk[:, 0])
+    # The other row's padding also changes nothing.
+    logits, _ = fn(state, tokens, arange_positions().at[1, :4].set(-1))
+    np.testing.assert_allclose(logits[0], base[0], atol=1e-6, rtol=0)
+
+
+def test_dense_and_ragged_dispatch_agree(maybe_jit, tiny):
+    cfg, graphdef_dense, state = tiny
+    graphdef_ragged, _ = build(dataclasses.replace(cfg, dispatch="ragged"))
+    tokens, positions = random_tokens(8), arange_positions().at[0, :2].set(-1)
+    w = jax.random.normal(jax.random.key(9), (B, T, cfg.vocab_size))
+
+    def loss(state, graphdef):
+        logits, aux = M.apply(graphdef, state, tokens, positions)
+        return jnp.sum(logits * w) / logits.size + aux.aux_loss, (logits, aux)
+
+    outs = {}
+    for name, graphdef in (("dense", graphdef_dense), ("ragged", graphdef_ragged)):
+        fn = maybe_jit(jax.value_and_grad(functools.partial(loss, graphdef=graphdef), has_aux=True))
+        outs[name] = fn(state)
+    (l_d, (logits_d, aux_d)), g_d = outs["dense"]
+    (l_r, (logits_r, aux_r)), g_r = outs["ragged"]
+    np.testing.assert_allclose(logits_d, logits_r, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(aux_d.topk, aux_r.topk)
+    np.testing.assert_allclose(l_d, l_r, atol=1e-6, rtol=1e-6)
+    for a, b in zip(jax.tree.leaves(g_d), jax.tree.leaves(g_r)):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
+    assert max(float(jnp.abs(x).max()) for x in router_params(g_d)) > 0
+
+
+def test_bfloat16_dispatch_paths_close(maybe_jit):
+    cfg = M.get_config("tiny", param_dtype="bfloat16", dtype="bfloat16")
+    graphdef_d, state = build(cfg)
+    graphdef_r, _ = build(dataclasses.replace(cfg, dispatch="ragged"))
+    tokens = random_tokens(10)
+    logits_d, _ = maybe_jit(fwd(graphdef_d))(state, tokens, arange_positions())
+    logits_r, _ = maybe_jit(fwd(graphdef_r))(state, tokens, arange_positions())
+    np.testing.assert_allclose(logits_d, logits_r, atol=0.1, rtol=0.05)
+
+
+# ------------------------------------------------------------------ KV cache
+
+
+@pytest.mark.parametrize("dispatch", ["dense", "ragged"])
+def test_prefill_then_decode_matches_full_forward(maybe_jit, tiny, dispatch):
+    cfg, _, state = tiny
+    graphdef, _ = build(dataclasses.replace(cfg, dispatch=dispatch))
+    P, steps, S = 5, T - 5, 12
+    tokens = random_tokens(11, (B, P + steps))
+    # Row 1 is a left-padded prompt (2 pad tokens).
+    mask = jnp.ones((B, P + steps), bool).at[1, :2].set(False)
+    positions = M.positions_from_mask(mask)
+    full, aux_full = M.apply(graphdef, state, tokens, positions)
+
+    fn = maybe_jit(fwd(graphdef), donate_argnames=("cache",))
+    cache = M.init_cache(cfg, B, S)
+    logits, aux = fn(state, tokens[:, :P], positions[:, :P], cache=cache)
+    # Padding tokens' own outputs are arbitrary (finite); compare real tokens only.
+    real = np.asarray(mask[:, :P])
+    np.testing.assert_allclose(logits[real], full[:, :P][real], atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(aux.topk[:, real], aux_full.topk[:, :, :P][:, real])
+    assert np.isfinite(np.asarray(logits)).all()
+    cache = aux.cache
+    assert int(cache.index) == P
+    for t in range(P, P + steps):
+        logits, aux = fn(state, tokens[:, t : t + 1], positions[:, t : t + 1], cache=cache)
+        cache = aux.cache
+        np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5, rtol=1e-5)
+        np.testing.assert_array_equal(aux.topk[:, :, 0], aux_full.topk[:, :, t])
+    assert int(cache.index) == P + steps
+    np.testing.assert_array_equal(cache.positions[:, : P + steps], positions)
+    assert (cache.positions[:, P + steps :] == -1).all()
+    assert cache.k.shape == (cfg.num_layers, B, S, cfg.num_kv_heads, cfg.head_dim)
+
+
+def test_cache_pytree_roundtrip():
+    cache = M.init_cache(M.get_config("tiny"), 2, 4)
+    leaves, treedef = jax.tree.flatten(cache)
+    assert len(leaves) == 4
+    again = jax.tree.unflatten(treedef, leaves)
+    assert isinstance(again, M.KVCache) and again.index.dtype == jnp.int32
+    assert (again.positions == -1).all()
+
+
+# ------------------------------------------------------------------ routing replay
+
+
+def test_replaying_own_routing_is_exact(maybe_jit, tiny):
+    _, graphdef, state = tiny
+    tokens, positions = random_tokens(12), arange_positions()
+    logits, aux = maybe_jit(fwd(graphdef))(state, tokens, positions)
+    replay = maybe_jit(fwd(graphdef))
+    logits_r, aux_r = replay(state, tokens, positions, forced_topk=aux.topk)
+    np.testing.assert_array_equal(aux_r.topk, aux.topk)
+    np.testing.assert_array_equal(logits_r, logits)
+    np.testing.assert_array_equal(aux_r.lb_loss, aux.lb_loss)
+
+
+def test_replay_router_gets_gradient(maybe_jit, tiny):
+    _, graphdef, state = tiny
+    tokens, positions = random_tokens(13), arange_positions()
+    _, aux = M.apply(graphdef, state, tokens, positions)
+    w = jax.random.normal(jax.random.key(14), (B, T, 128))
+
+    def loss(state):
+        logits, _ = M.apply(graphdef, state, tokens, positions, forced_topk=aux.topk)
+        return jnp.sum(jax.nn.log_softmax(logits) * w)
+
+    grads = maybe_jit(jax.grad(loss))(state)
+    for g in router_params(grads):
+        assert float(jnp.abs(g).max()) > 1e-6
+
+
+def test_forcing_other_experts_changes_output(maybe_jit, tiny):
+    cfg, graphdef, state = tiny
+    tokens, positions = random_tokens(15), arange_positions()
+    fn = maybe_jit(fwd(graphdef))
+    logits, aux = fn(state, tokens, positions)
+    forced = (aux.topk + 1) % cfg.num_experts
+    logits_f, aux_f = fn(state, tokens, positions, forced_topk=forced)
+    np.testing.assert_array_equal(aux_f.topk, forced)
+    assert float(jnp.abs(logits_f - logits).max()) > 1e-3
+
+
+def test_forced_topk_shape_checked(tiny):
+    _, graphdef, state = tiny
+    with pytest.raises(ValueError, match="forced_topk"):
+        M.apply(graphdef, state, random_tokens(0), arange_positions(), forced_topk=jnp.zeros((1, B, T, 2), jnp.int32))
+
+
+# ------------------------------------------------------------------ MoE pieces
+
+
+def test_lb_loss_is_k_for_uniform_router(maybe_jit, tiny):
+    cfg, graphdef, state = tiny
+    state = set_routers(state, jnp.zeros_like)
+    _, aux = maybe_jit(fwd(graphdef))(state, random_tokens(16), arange_positions())
+    np.testing.assert_allclose(aux.lb_loss, cfg.top_k, rtol=1e-6)
+    np.testing.assert_allclose(aux.z_loss, np.log(cfg.num_experts) ** 2, rtol=1e-6)
+    # lax.top_k ties go to the lower index.
+    np.testing.assert_array_equal(aux.topk, np.broadcast_to(np.arange(cfg.top_k), aux.topk.shape))
+
+
+def test_route_renormalisation_and_replay_gates(maybe_jit):
+    logits = jax.random.normal(jax.random.key(17), (2, 3, 6))
+    topk, gates, _ = maybe_jit(functools.partial(moe.route, top_k=2, renormalize=True))(logits)
+    np.testing.assert_allclose(gates.sum(-1), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(gates, jax.nn.softmax(jnp.take_along_axis(logits, topk, -1)), rtol=1e-5)
+    _, raw, _ = moe.route(logits, 2, False)
+    np.testing.assert_allclose(raw, jnp.take_along_axis(jax.nn.softmax(logits), topk, -1), rtol=1e-6)
+    forced = jnp.zeros_like(topk).at[..., 1].set(5)
+    topk_f, gates_f, _ = moe.route(logits, 2, True, forced)
+    np.testing.assert_array_equal(topk_f, forced)
+    np.testing.assert_allclose(gates_f.sum(-1), 1.0, rtol=1e-6)
+
+
+def test_lb_loss_ignores_padding(maybe_jit):
+    probs = jax.nn.softmax(jax.random.normal(jax.random.key(18), (1, 4, 4)))
+    topk = jnp.array([[[0, 1], [2, 3], [0, 1], [0, 0]]])
+    valid = jnp.array([[True, True, True, False]])
+    lb = maybe_jit(moe.load_balancing_loss)(probs, topk, valid)
+    f = np.array([2, 2, 1, 1]) / 3
+    p = np.asarray(probs[0, :3]).mean(0)
+    np.testing.assert_allclose(lb, 4 * np.sum(f * p), rtol=1e-6)
+
+
+def test_rope_depends_on_relative_position(maybe_jit):
+    q = jax.random.normal(jax.random.key(19), (1, 1, 1, 16))
+    k = jax.random.normal(jax.random.key(20), (1, 1, 1, 16))
+    rope = maybe_jit(functools.partial(M.apply_rope, theta=10_000.0))
+
+    def score(m, n):
+        return float(jnp.sum(rope(q, jnp.array([[m]])) * rope(k, jnp.array([[n]]))))
+
+    np.testing.assert_allclose(score(7, 3), score(14, 10), rtol=1e-5)
+    np.testing.assert_allclose(rope(q, jnp.array([[0]])), q)
+    np.testing.assert_allclose(rope(q, jnp.array([[-1]])), q)  # padding rotates as position 0
+    np.testing.assert_allclose(jnp.linalg.norm(rope(q, jnp.array([[5]]))), jnp.linalg.norm(q), rtol=1e-6)
+
+
+# ------------------------------------------------------------------ sharding, compilation
+
+
+@pytest.mark.parametrize(
+    "axes, dispatch",
+    [(dict(data=2, expert=2, tensor=2), "dense"), (dict(fsdp=2, expert=2, tensor=2), "ragged")],
+    ids=["dp-ep-tp-dense", "fsdp-ep-tp-ragged"],
+)
+def test_sharded_forward_matches_single_device(maybe_jit, tiny, axes, dispatch):
+    cfg, _, state = tiny
+    graphdef, _ = build(dataclasses.replace(cfg, dispatch=dispatch))
+    tokens, positions = random_tokens(21), arange_positions()
+    expected, aux_e = M.apply(graphdef, state, tokens, positions)
+
+    mesh = sharding.make_mesh(**axes)
+    shardings = sharding.param_shardings(mesh, state)
+    sharded_state = jax.device_put(state, shardings)
+    w = sharded_state["layers"][1]["mlp"]["gate_proj"][...]
+    assert w.sharding.spec[0] == "expert" and len(w.sharding.device_set) == 8
+    batch = sharding.batch_sharding(mesh, 2)
+    tokens_s, positions_s = jax.device_put(tokens, batch), jax.device_put(positions, batch)
+    logits, aux = maybe_jit(fwd(graphdef))(sharded_state, tokens_s, positions_s)
+    np.testing.assert_allclose(logits, expected, atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(aux.topk, aux_e.topk)
+
+
+def test_jit_compiles_once(tiny):
+    cfg, graphdef, state = tiny
+    fn = jax.jit(lambda state, tokens, positions: M.apply(graphdef, state, tokens, positions))
+    for seed in range(3):
+        fn(state, random_tokens(seed), arange_positions())
+    forced_fn = jax.jit(
+        lambda state, tokens, positions, forced: M.apply(graphdef, state, tokens, positions, forced_topk=forced)
+    )
+    for seed in range(2):
+        forced = jax.random.randint(jax.random.key(seed), (cfg.num_moe_layers, B, T, 2), 0, 4) * 2 + jnp.array([0, 1])
+        forced_fn(state, random_tokens(seed), arange_positions(), forced)
+    assert fn._cache_size() == 1
+    assert forced_fn._cache_size() == 1
