@@ -1,0 +1,152 @@
+"""Rollout: fixed shapes, dynamic sampling, zero-weight fill, overlong shaping and filtering."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gspo_jax import model as model_lib
+from gspo_jax.advantages import overlong_penalty
+from gspo_jax.losses import PRESETS, policy_loss
+from gspo_jax.rollout import Rollout, RolloutConfig, select_groups
+from gspo_jax.sampler import Sampler
+from gspo_jax.tasks import Example, TaskPrompts, load_tokenizer
+
+GROUPS, G, P, N = 4, 4, 8, 6
+
+
+@dataclasses.dataclass(frozen=True)
+class CoinTask:
+    """Prompts 'a<k>' are rewarded by the parity of the completion's first character (informative
+    groups, usually); prompts 'b<k>' always get `dead_reward` (zero-variance groups)."""
+
+    name: str = "coin"
+    dead_reward: float = 0.0
+
+    def sample(self, rng):
+        k = int(rng.integers(0, 100))
+        return Example(prompt=("a" if rng.random() < 0.5 else "b") + str(k), answer="")
+
+    def extract_answer(self, completion):
+        return completion[:1] or None
+
+    def reward(self, completion, example):
+        if example.prompt.startswith("b"):
+            return self.dead_reward
+        return float(bool(completion) and ord(completion[0]) % 2 == 0)
+
+    def demonstration(self, example):
+        return "0"
+
+
+@pytest.fixture(scope="module")
+def env():
+    cfg = model_lib.get_config("tiny")
+    graphdef, state = nnx.split(model_lib.Transformer(cfg, rngs=nnx.Rngs(1)))
+    sampler = Sampler(graphdef, cfg, GROUPS * G, P, N)
+    return state, sampler, load_tokenizer()
+
+
+def make(env, task=CoinTask(), **kw):
+    state, sampler, tok = env
+    rcfg = RolloutConfig(num_groups=GROUPS, group_size=G, **kw)
+    return Rollout(sampler, task, tok, rcfg), state, TaskPrompts(task, seed=0, split="all")
+
+
+def check_shapes(batch, cfg):
+    B, L = GROUPS * G, P + N
+    assert batch.tokens.shape == (B, L) and batch.loss_mask.shape == (B, L) and batch.old_logp.shape == (B, L)
+    assert batch.rewards.shape == (B,) and batch.advantages.shape == (B,) and batch.group_ids.shape == (B,)
+    assert batch.topk.shape == (cfg.num_moe_layers, B, L, cfg.top_k)
+
+
+def test_select_groups_prefers_informative_groups_in_order():
+    flags = [np.array([True, False, False, True]), np.array([False, True, True, True])]
+    picks, weights, short = select_groups(flags, 4, dynamic=True)
+    assert picks == [(0, 0), (0, 3), (1, 1), (1, 2)] and all(weights) and short == 0
+    picks, weights, short = select_groups([np.array([False, True, False, False])], 3, dynamic=True)
+    assert picks[0] == (0, 1) and weights == [True, False, False] and short == 2
+    picks, weights, short = select_groups(flags, 4, dynamic=False)
+    assert picks == [(0, g) for g in range(4)] and all(weights) and short == 0
+
+
+def test_dynamic_sampling_keeps_only_informative_groups(env):
+    rollout, state, it = make(env, dynamic_sampling=True, max_rounds=6)
+    batch, met = rollout(state, it, jax.random.key(0))
+    check_shapes(batch, model_lib.get_config("tiny"))
+    r = batch.rewards.reshape(GROUPS, G)
+    assert met["groups_short"] == 0 and met["groups_kept"] == GROUPS
+    assert np.all(r.max(1) != r.min(1))  # no zero-variance group was kept
+    assert met["generation_rounds"] >= 1 and met["groups_dropped"] >= 0
+    assert np.all(batch.loss_mask == batch.completion_mask)
+    assert rollout.sampler.compiles() == 1
+
+
+def test_without_dynamic_sampling_zero_variance_groups_stay_with_zero_advantage(env):
+    rollout, state, it = make(env)
+    batch, met = rollout(state, it, jax.random.key(1))
+    r, a = batch.rewards.reshape(GROUPS, G), batch.advantages.reshape(GROUPS, G)
+    const = r.max(1) == r.min(1)
+    assert np.all(a[const] == 0) and met["generation_rounds"] == 1
+
+
+def test_shortfall_is_filled_with_zero_weight_groups_that_leave_the_loss_unchanged(env):
+    rollout, state, it = make(env, dynamic_sampling=True, max_rounds=2)
+    batch, met = None, None
+    for seed in range(20):  # find a draw with both kept and filled groups
+        batch, met = rollout(state, it, jax.random.key(seed))
+        if 0 < met["groups_short"] < GROUPS:
+            break
+    assert 0 < met["groups_short"] < GROUPS, met
+    check_shapes(batch, model_lib.get_config("tiny"))
+    filled = np.repeat(np.arange(GROUPS) >= GROUPS - met["groups_short"], G)
+    assert np.all(batch.loss_mask[filled] == 0) and np.all(batch.advantages[filled] == 0)
+    logp = jnp.asarray(batch.old_logp) + 0.05 * jax.random.normal(jax.random.key(0), batch.old_logp.shape)
+    for name in ("grpo", "dapo", "gspo"):
+        cfg = dataclasses.replace(PRESETS[name], kl_coef=0.0)
+        full, m_full = policy_loss(cfg, logp, batch.old_logp, batch.advantages, batch.loss_mask)
+        kept, m_kept = policy_loss(cfg, logp[~filled], batch.old_logp[~filled], batch.advantages[~filled],
+                                   batch.loss_mask[~filled])
+        np.testing.assert_allclose(full, kept, rtol=1e-6)
+        assert float(m_full["denominator"]) == float(m_kept["denominator"])
+
+
+def test_all_dead_prompts_fill_everything_and_report_the_shortfall(env):
+    task = CoinTask()
+    rollout, state, _ = make(env, task=task, dynamic_sampling=True, max_rounds=2)
+
+    class DeadPrompts:
+        def next_batch(self, n):
+            return [Example(prompt="b1", answer="")] * n
+
+    batch, met = rollout(state, DeadPrompts(), jax.random.key(0))
+    assert met["groups_short"] == GROUPS and met["generation_rounds"] == 2
+    assert np.all(batch.loss_mask == 0) and np.all(batch.advantages == 0)
+
+
+def test_overlong_shaping_and_filtering(env):
+    task = CoinTask(dead_reward=1.0)
+    rollout, state, it = make(env, task=task, overlong_cache_len=4, overlong_factor=0.5, overlong_filter=True)
+    batch, met = rollout(state, it, jax.random.key(2))
+    texts = rollout.decode_completions(batch.tokens, batch.lengths)
+    assert len(texts) == GROUPS * G
+    pen = np.asarray(overlong_penalty(batch.lengths, N, 4))
+    assert np.any(pen < 0)  # a random policy rarely stops: the buffer is exercised
+    prompts = [rollout.tokenizer.decode(row[:P], skip_special_tokens=True) for row in batch.tokens]
+    raw = np.array([task.reward(t, Example(prompt=p, answer="")) for t, p in zip(texts, prompts)])
+    np.testing.assert_allclose(batch.rewards, raw + 0.5 * pen, rtol=1e-6)
+    assert np.all(batch.loss_mask[batch.truncated] == 0)
+    assert np.all(batch.loss_mask[~batch.truncated] == batch.completion_mask[~batch.truncated])
+    assert 0 <= met["truncation_rate"] <= 1
+
+
+def test_rollout_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="group_size"):
+        RolloutConfig(group_size=0)
+    with pytest.raises(ValueError, match="advantage_scale"):
+        RolloutConfig(advantage_scale="std")
+    with pytest.raises(ValueError, match="max_rounds"):
+        RolloutConfig(dynamic_sampling=True, max_rounds=1)

@@ -1,0 +1,172 @@
+"""The sampler against the full forward: greedy decoding, log-probs, router top-k, EOS, truncation,
+top-k / top-p support, compile counts and sharding."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from gspo_jax import model as model_lib
+from gspo_jax import sharding
+from gspo_jax.sampler import Sampler, left_pad, sample_logits, sequence_logprobs
+
+B, P, N = 4, 8, 10
+
+
+@pytest.fixture(scope="module")
+def setup():
+    cfg = model_lib.get_config("tiny")
+    graphdef, state = nnx.split(model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(0)
+    prompts = [list(rng.integers(4, cfg.vocab_size, n)) for n in (3, 8, 5, 1)]
+    tokens, mask = left_pad(prompts, P)
+    sampler = Sampler(graphdef, cfg, B, P, N, max_top_k=16)
+    forward = jax.jit(functools.partial(model_lib.apply, graphdef))
+    return cfg, graphdef, state, tokens, mask, sampler, forward
+
+
+def full_forward_logp_topk(forward, state, out, temperature):
+    valid = out.prompt_mask | out.completion_mask
+    logits, aux = forward(state, out.tokens, model_lib.positions_from_mask(valid))
+    return sequence_logprobs(logits, out.tokens, temperature), aux.topk, valid
+
+
+def test_greedy_equals_stepwise_argmax_of_full_forward(setup):
+    cfg, _, state, tokens, mask, sampler, forward = setup
+    out = sampler(state, tokens, mask, jax.random.key(0), temperature=0.0)
+    seq = np.concatenate([tokens, np.zeros((B, N), np.int32)], 1)
+    valid = np.concatenate([mask, np.zeros((B, N), bool)], 1)
+    for i in range(N):  # one fixed shape: not-yet-generated slots are padding, after every real token
+        logits, _ = forward(state, jnp.asarray(seq), model_lib.positions_from_mask(jnp.asarray(valid)))
+        seq[:, P + i] = np.argmax(np.asarray(logits[:, P + i - 1]), -1)
+        valid[:, P + i] = True
+    np.testing.assert_array_equal(out.tokens, seq)
+    assert np.all(np.asarray(out.truncated)) and np.all(np.asarray(out.lengths) == N)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.7, 5, 0.9), (1.3, 0, 0.8)])
+def test_logprobs_and_routing_equal_the_trainers_recomputation(setup, temperature, top_k, top_p):
+    cfg, _, state, tokens, mask, sampler, forward = setup
+    out = sampler(state, tokens, mask, jax.random.key(1), temperature=temperature, top_k=top_k, top_p=top_p)
+    logp, topk, valid = full_forward_logp_topk(forward, state, out, temperature)
+    cm = np.asarray(out.completion_mask)
+    np.testing.assert_allclose(np.asarray(out.logp)[cm], np.asarray(logp)[cm], atol=1e-5)
+    assert np.all(np.asarray(out.logp)[~cm] == 0)
+    v = np.asarray(valid)
+    a, b = np.asarray(out.topk)[:, v], np.asarray(topk)[:, v]  # [L, n_valid, k]
+    mismatch = np.mean(np.any(a != b, axis=-1))
+    print(f"router top-k mismatch rate (sampler vs full forward): {mismatch:.4f}")
+    assert mismatch <= 0.01  # near-ties may flip in float32; exact in practice
+    assert a.shape[0] == cfg.num_moe_layers
+
+
+def test_eos_stops_a_row_and_the_rest_are_truncated(setup):
+    cfg, _, state, tokens, mask, sampler, _ = setup
+    ref = np.asarray(sampler(state, tokens, mask, jax.random.key(0), temperature=0.0).tokens)[:, P:]
+    eos = int(ref[0, 3])  # row 0 emits this at step j = first occurrence <= 3
+    out = sampler(state, tokens, mask, jax.random.key(0), temperature=0.0, eos_ids=(eos, 127), pad_id=0)
+    gen, cm = np.asarray(out.tokens)[:, P:], np.asarray(out.completion_mask)[:, P:]
+    for b in range(B):
+        hits = np.flatnonzero(ref[b] == eos)
+        if len(hits):
+            j = hits[0]
+            assert out.lengths[b] == j + 1 and not out.truncated[b]
+            np.testing.assert_array_equal(gen[b, :j + 1], ref[b, :j + 1])
+            assert np.all(gen[b, j + 1:] == 0) and np.all(cm[b, :j + 1]) and not np.any(cm[b, j + 1:])
+            assert np.all(np.asarray(out.logp)[b, P + j + 1:] == 0)
+        else:
+            assert out.lengths[b] == N and out.truncated[b] and np.all(cm[b])
+            np.testing.assert_array_equal(gen[b], ref[b])
+    assert not np.any(np.asarray(out.completion_mask)[:, :P])
+
+
+def test_top_k_one_and_tiny_top_p_equal_greedy(setup):
+    _, _, state, tokens, mask, sampler, _ = setup
+    greedy = np.asarray(sampler(state, tokens, mask, jax.random.key(0), temperature=0.0).tokens)
+    k1 = sampler(state, tokens, mask, jax.random.key(5), temperature=1.0, top_k=1)
+    p0 = sampler(state, tokens, mask, jax.random.key(6), temperature=1.0, top_p=1e-6)
+    np.testing.assert_array_equal(k1.tokens, greedy)
+    np.testing.assert_array_equal(p0.tokens, greedy)
+
+
+def test_no_recompiles_across_prompts_temperatures_seeds_and_eos(setup, compile_counter):
+    cfg, _, state, tokens, mask, sampler, _ = setup
+    sampler(state, tokens, mask, jax.random.key(0))
+    compile_counter.reset()
+    rng = np.random.default_rng(1)
+    for i, (t, k, p) in enumerate([(0.0, 0, 1.0), (0.5, 3, 0.9), (1.5, 16, 0.5), (1.0, 0, 0.95)]):
+        prompts = [list(rng.integers(4, cfg.vocab_size, n)) for n in rng.integers(1, P + 1, B)]
+        tok, m = left_pad(prompts, P)
+        sampler(state, tok, m, jax.random.key(i), temperature=t, top_k=k, top_p=p, eos_ids=(int(rng.integers(4, 100)),))
+    assert compile_counter.count == 0
+    assert sampler.compiles() == 1
+
+
+def test_bad_arguments_raise_early(setup):
+    _, _, state, tokens, mask, sampler, _ = setup
+    with pytest.raises(ValueError, match="shape"):
+        sampler(state, tokens[:, 1:], mask[:, 1:], jax.random.key(0))
+    with pytest.raises(ValueError, match="max_top_k"):
+        sampler(state, tokens, mask, jax.random.key(0), top_k=17)
+    with pytest.raises(ValueError, match="prompt"):
+        left_pad([[1, 2, 3]], 2)
+
+
+def test_sharded_sampler_equals_unsharded(setup):
+    cfg, graphdef, state, tokens, mask, sampler, _ = setup
+    mesh = sharding.make_mesh(data=2, expert=2, tensor=2)
+    sharded_state = jax.device_put(state, sharding.param_shardings(mesh, state))
+    s2 = Sampler(graphdef, cfg, B, P, N, max_top_k=16, mesh=mesh, state=state)
+    for t in (0.0, 1.0):
+        a = sampler(state, tokens, mask, jax.random.key(3), temperature=t)
+        b = s2(sharded_state, tokens, mask, jax.random.key(3), temperature=t)
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logp, b.logp, atol=1e-5)
+        np.testing.assert_array_equal(a.topk, b.topk)
+    assert b.tokens.sharding.spec[0] == ("data", "fsdp")
+
+
+# ------------------------------------------------------------------ the sampling distribution
+
+
+LOGITS = jnp.asarray([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+
+
+def draw(maybe_jit, n, **kw):
+    fn = maybe_jit(functools.partial(sample_logits, max_top_k=8))
+    tok, logp = fn(jnp.broadcast_to(LOGITS, (n, 8)), jax.random.key(11), **kw)
+    return np.bincount(np.asarray(tok), minlength=8) / n, np.asarray(tok), np.asarray(logp)
+
+
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.5, 0, 1.0), (2.0, 3, 1.0),
+                                                       (1.0, 0, 0.7), (1.0, 4, 0.8)])
+def test_sampling_distribution_and_support(maybe_jit, temperature, top_k, top_p):
+    n = 40000
+    freq, tok, logp = draw(maybe_jit, n, temperature=jnp.float32(temperature), top_k=jnp.int32(top_k),
+                           top_p=jnp.float32(top_p))
+    probs = np.asarray(jax.nn.softmax(LOGITS / temperature))
+    keep = np.ones(8, bool)
+    if top_k > 0:
+        keep[top_k:] = False
+    p = np.where(keep, probs, 0) / np.where(keep, probs, 0).sum()
+    before = np.cumsum(p) - p
+    keep &= before < top_p
+    expected = np.where(keep, p, 0) / np.where(keep, p, 0).sum()
+    assert np.all(freq[~keep] == 0)  # the support is exactly right
+    np.testing.assert_allclose(freq, expected, atol=4 * np.sqrt(0.25 / n))
+    # returned log-probs are the untruncated ones at the sampling temperature
+    np.testing.assert_allclose(logp, np.log(probs[tok]), rtol=1e-5)
+
+
+def test_output_does_not_depend_on_the_previous_call(setup):
+    """The donated cache is reused; stale slots must never leak into any position's output."""
+    cfg, _, state, tokens, mask, sampler, _ = setup
+    a = sampler(state, tokens, mask, jax.random.key(4), temperature=1.0)
+    other = np.asarray(np.random.default_rng(9).integers(4, cfg.vocab_size, tokens.shape), np.int32)
+    sampler(state, other, np.ones_like(mask), jax.random.key(8), temperature=1.0)
+    b = sampler(state, tokens, mask, jax.random.key(4), temperature=1.0)
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+        np.testing.assert_array_equal(x, y)
