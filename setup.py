@@ -22,6 +22,8 @@ setup(
         "transformers>=5.23.0",
         "ml_collections>=1.1.0",
         "math-verify>=0.9.0",  # dataset-task rewards (GSM8K-style answers)
+        "safetensors>=0.8.0",  # Hugging Face checkpoints, read and written without torch
+        "ml_dtypes>=0.6.0",
         "numpy>=2.0",
     ],
     extras_require={
