@@ -24,6 +24,10 @@ setup(
         "math-verify>=0.9.0",  # dataset-task rewards (GSM8K-style answers)
         "safetensors>=0.8.0",  # Hugging Face checkpoints, read and written without torch
         "ml_dtypes>=0.6.0",
+        "absl-py>=2.5.1",  # scripts/train.py: flags and config overrides
+        "tensorboardX>=2.6.5",  # TensorBoard events without TensorFlow
+        "matplotlib>=3.11.2",  # PNG plots at the end of a run
+        "tqdm>=4.70.1",
         "numpy>=2.0",
     ],
     extras_require={

@@ -174,7 +174,7 @@ class Sampler:
         fn = functools.partial(_generate, graphdef, max_new_tokens, self.max_top_k)
         if mesh is None:
             self._fn = jax.jit(fn, donate_argnums=(1,))
-            self._cache_sharding = None
+            self._cache_sharding = self._in_shardings = None
         else:
             if state is None:
                 raise ValueError("Sampler: pass `state` (or its abstract version) together with `mesh`")
@@ -185,11 +185,9 @@ class Sampler:
             topk_sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, *b2.spec))
             out_sh = SampleOutput(tokens=b2, prompt_mask=b2, completion_mask=b2, logp=b2, lengths=b1,
                                   truncated=b1, topk=topk_sh)
-            self._fn = jax.jit(
-                fn, donate_argnums=(1,),
-                in_shardings=(state_sh, self._cache_sharding, b2, b2, rep, rep, rep, rep, rep, rep),
-                out_shardings=(out_sh, self._cache_sharding),
-            )
+            self._in_shardings = (state_sh, self._cache_sharding, b2, b2, rep, rep, rep, rep, rep, rep)
+            self._fn = jax.jit(fn, donate_argnums=(1,), in_shardings=self._in_shardings,
+                               out_shardings=(out_sh, self._cache_sharding))
         self._cache = None  # allocated on first use, then donated and handed back by every call
 
     def _new_cache(self):
@@ -213,9 +211,13 @@ class Sampler:
             if self._cache_sharding is not None:
                 self._cache = jax.device_put(self._cache, self._cache_sharding)
         cache, self._cache = self._cache, None  # donated: unusable after the call
-        out, self._cache = self._fn(
-            state, cache, jnp.asarray(prompts, jnp.int32), jnp.asarray(prompt_mask, bool), key,
-            jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p), jnp.asarray(eos), jnp.int32(pad_id))
+        args = (state, cache, jnp.asarray(prompts, jnp.int32), jnp.asarray(prompt_mask, bool), key,
+                jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p), jnp.asarray(eos), jnp.int32(pad_id))
+        if self._in_shardings is not None:
+            # Arrays on a mesh carry it in their type: placing every argument the same way on every
+            # call (a fresh key, a restored parameter) is what keeps this at one compile.
+            args = jax.device_put(args, self._in_shardings)
+        out, self._cache = self._fn(*args)
         return out
 
     def compiles(self) -> int:

@@ -1,0 +1,257 @@
+"""Checkpoints: an orbax `CheckpointManager` (current `args` API) that saves an array pytree plus a
+JSON `meta` dict per step, resumes from the newest step that actually restores, and a SIGTERM guard
+so a preempted run can save and exit at an iteration boundary.
+
+Layout: `<directory>/<step>/{state,meta}` as orbax writes it; steps that failed to restore while an
+older one succeeded are moved (never deleted) to `<directory>/corrupt/<step>.<unix time>`.
+
+What goes in `state`:
+- Any pytree of arrays / numpy / Python scalars. `flax.nnx.State` (e.g. `nnx.state(model, nnx.Param)`)
+  and optax states holding `nnx.State`s are saved as they are: orbax 0.12.8 flattens them with their
+  registered pytree keys and `StandardRestore` rebuilds the exact `nnx.State` / `Param` structure from
+  the abstract tree, so no `nnx.to_pure_dict` round trip is needed.
+- PRNG keys: pass `jax.random.key_data(key)` (uint32) and rebuild with `jax.random.wrap_key_data`.
+  Orbax 0.12.8 happens to round-trip typed keys too, but raw key data is portable across orbax
+  versions and PRNG implementations, so `save` refuses typed keys with an explicit error.
+
+Multi-process: every process calls `save` / `restore_latest` (orbax writes each process's shards and
+the JSON `meta` from process 0 only). On a multi-host TPU slice, the hook for agreeing on a common
+preemption step is `jax.experimental.multihost_utils.reached_preemption_sync_point(step)` (needs the
+JAX preemption service); `PreemptionGuard` only covers the single-host signal path.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import weakref
+from collections.abc import Iterable
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from etils import epath
+
+log = logging.getLogger(__name__)
+
+STATE_ITEM = "state"
+META_ITEM = "meta"
+CORRUPT_SUBDIR = "corrupt"
+# Orbax 0.12.8 writes this into every step directory as the last act of a save (both in its
+# atomic-rename mode for local disks and its commit-file mode for GCS). Its own step listing only
+# checks it on GCS, so we check it ourselves: a step without it was never finished.
+_COMMIT_MARKER = "commit_success.txt"
+
+
+class Checkpointer:
+    """Saves `(state pytree, meta dict)` per step and restores the newest step that is intact.
+
+    Saves are asynchronous by default: `save` returns once arrays are copied to host (donating them
+    afterwards is safe) and writing continues in the background. `wait()` blocks until written;
+    forced saves block before returning; normal interpreter exit also waits (see `_register_exit_wait`).
+    """
+
+    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3,
+                 save_every: int = 1, async_save: bool = True):
+        if save_every < 1:
+            raise ValueError(f"save_every must be >= 1, got {save_every}")
+        directory = os.fspath(directory)
+        self.directory = epath.Path(directory if "://" in directory else os.path.abspath(directory))
+        self.save_every = save_every
+        async_save = async_save and _register_exit_wait(self)
+        options = ocp.CheckpointManagerOptions(
+            max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save)
+        self._manager = ocp.CheckpointManager(
+            self.directory, options=options, item_names=(STATE_ITEM, META_ITEM))
+        self._closed = False
+
+    # -- saving ---------------------------------------------------------------------------------
+
+    def save(self, step: int, state: Any, meta: dict, *, force: bool = False) -> bool:
+        """Saves `state` and `meta` as `step` if `step % save_every == 0` or `force`.
+
+        Returns whether a save was started. Saving a step that already exists is a no-op (False);
+        a step older than the newest one on disk is refused with a warning (orbax would never
+        pick it as latest). With `force`, waits until the checkpoint is fully written.
+        """
+        step = int(step)
+        _check_no_typed_keys(state)
+        meta_json = json.loads(json.dumps(meta))  # fail here, not in a background thread
+        steps = self._manager.all_steps()
+        if step in steps:
+            return False
+        if steps and step < max(steps):
+            log.warning("Not saving step %d: %s already holds newer step %d.",
+                        step, self.directory, max(steps))
+            return False
+        if not force and step % self.save_every:
+            return False
+        # force=True: the save_every decision above is the only one; orbax's own policy is bypassed.
+        saved = self._manager.save(step, args=ocp.args.Composite(**{
+            STATE_ITEM: ocp.args.StandardSave(state),
+            META_ITEM: ocp.args.JsonSave(meta_json),
+        }), force=True)
+        if force:
+            self._manager.wait_until_finished()
+        return saved
+
+    def wait(self) -> None:
+        """Blocks until any in-flight asynchronous save is fully written."""
+        if not self._closed:
+            self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        """Waits for in-flight saves and releases orbax's resources; idempotent."""
+        if not self._closed:
+            self._manager.wait_until_finished()
+            self._manager.close()
+            self._closed = True
+
+    def __enter__(self) -> Checkpointer:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # -- restoring ------------------------------------------------------------------------------
+
+    def all_steps(self) -> list[int]:
+        """Step numbers present in the directory (including ones that may not restore), ascending."""
+        return sorted(self._manager.all_steps())
+
+    def latest_step(self) -> int | None:
+        return self._manager.latest_step()
+
+    def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
+        """Restores one step into `abstract_state`'s structure; raises if it is unfinished or corrupt.
+
+        `abstract_state` has `jax.ShapeDtypeStruct` leaves (e.g. from `jax.eval_shape` or
+        `nnx.eval_shape`); leaves with a `sharding` come back as arrays with that sharding.
+        """
+        if not (self.directory / str(step) / _COMMIT_MARKER).exists():
+            raise FileNotFoundError(f"step {step} has no {_COMMIT_MARKER}: save never finished")
+        restored = self._manager.restore(step, args=ocp.args.Composite(**{
+            STATE_ITEM: ocp.args.StandardRestore(abstract_state),
+            META_ITEM: ocp.args.JsonRestore(),
+        }))
+        meta = restored[META_ITEM]
+        if not isinstance(meta, dict):
+            raise ValueError(f"step {step}: meta is {type(meta).__name__}, not a dict")
+        return restored[STATE_ITEM], meta
+
+    def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict] | None:
+        """Restores the newest step that restores cleanly: `(step, state, meta)`, or None.
+
+        A step that raises (missing or garbled files, no commit marker) is logged and skipped in
+        favour of the one before it. When an older step then restores, the newer failed steps are
+        moved to `corrupt/` so that the resumed run can save those step numbers again; when nothing
+        restores, nothing is moved (the failures may be a changed model, not corruption).
+        """
+        self.wait()
+        failed = []
+        for step in sorted(self._manager.all_steps(), reverse=True):
+            try:
+                state, meta = self.restore(step, abstract_state)
+            except Exception as e:  # noqa: BLE001 - any failure means "try the previous step"
+                log.warning("Checkpoint step %d in %s does not restore (%s: %s); trying an older "
+                            "step.", step, self.directory, type(e).__name__, _short(e))
+                failed.append(step)
+                continue
+            if failed:
+                self._quarantine(failed)
+            return step, state, meta
+        if failed:
+            log.error("No checkpoint in %s restores (steps %s); starting fresh. Saves of steps "
+                      "<= %d will be refused until those directories are moved.",
+                      self.directory, sorted(failed), max(failed))
+        return None
+
+    def _quarantine(self, steps: Iterable[int]) -> None:
+        """Moves failed step directories aside (process 0), then re-reads the step list everywhere."""
+        if jax.process_index() == 0:
+            dest_root = self.directory / CORRUPT_SUBDIR
+            dest_root.mkdir(parents=True, exist_ok=True)
+            for step in steps:
+                dest = dest_root / f"{step}.{int(time.time())}"
+                try:
+                    (self.directory / str(step)).rename(dest)
+                    log.warning("Moved unrestorable checkpoint step %d to %s.", step, dest)
+                except OSError as e:
+                    log.error("Could not move step %d aside (%s); later saves of steps <= %d "
+                              "will be refused.", step, e, step)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            multihost_utils.sync_global_devices("gspo_jax.checkpoint.quarantine")
+        self._manager.reload()
+
+
+class PreemptionGuard:
+    """Context manager whose signal handler only sets `requested`; the loop polls it and saves.
+
+    Handles SIGTERM (what TPU VMs and schedulers send before preemption) and, with `sigint=True`,
+    Ctrl-C — a second Ctrl-C raises `KeyboardInterrupt` for an impatient user. Previous handlers
+    are restored on exit. Outside the main thread (where handlers cannot be installed) it is inert.
+    """
+
+    def __init__(self, *, sigint: bool = False):
+        self.signals = (signal.SIGTERM, signal.SIGINT) if sigint else (signal.SIGTERM,)
+        self.requested = False
+        self.signum: int | None = None
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum, frame) -> None:
+        if signum == signal.SIGINT and self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        self.signum = signum
+
+    def __enter__(self) -> PreemptionGuard:
+        if threading.current_thread() is not threading.main_thread():
+            log.warning("PreemptionGuard outside the main thread: signals will not be caught.")
+            return self
+        for sig in self.signals:
+            self._previous[sig] = signal.signal(sig, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        self._previous.clear()
+
+
+def _register_exit_wait(ckpt: Checkpointer) -> bool:
+    """Makes interpreter exit wait for `ckpt`'s background save; False if that cannot be arranged.
+
+    `atexit` is too late: orbax's background writer needs the executors that `threading._shutdown`
+    stops before atexit callbacks run (the save then dies leaving only a tmp directory).
+    `threading._register_atexit` callbacks run before that, in reverse registration order.
+    """
+    register = getattr(threading, "_register_atexit", None)
+    if register is None:
+        log.warning("threading._register_atexit unavailable: checkpoint saves are synchronous.")
+        return False
+    ref = weakref.ref(ckpt)
+
+    def wait():
+        if (c := ref()) is not None:
+            c.wait()
+
+    register(wait)
+    return True
+
+
+def _check_no_typed_keys(state: Any) -> None:
+    for path, leaf in jax.tree_util.tree_leaves_with_path(state):
+        dtype = getattr(leaf, "dtype", None)
+        if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
+            raise TypeError(f"typed PRNG key at {jax.tree_util.keystr(path)}: save "
+                            "jax.random.key_data(key) and rebuild with jax.random.wrap_key_data")
+
+
+def _short(e: Exception, limit: int = 300) -> str:
+    text = str(e).splitlines()[0] if str(e) else ""
+    return text if len(text) <= limit else text[:limit] + "..."
