@@ -125,6 +125,15 @@ def build(c: ml_collections.ConfigDict) -> Built:
     m = dict(c.model)
     m["dense_layers"] = tuple(m.get("dense_layers", ()))
     model_cfg = _typed("model", model_lib.ModelConfig, m)
+    if c.hf_checkpoint:
+        # The checkpoint fixes the architecture; config.model still picks what HF does not describe.
+        from gspo_jax import hf
+
+        keep = ("dispatch", "param_dtype", "dtype", "lb_loss_coef", "z_loss_coef")
+        try:
+            model_cfg = hf.config_from_hf(c.hf_checkpoint, **{k: getattr(model_cfg, k) for k in keep})
+        except (OSError, ValueError) as e:
+            raise ValueError(f"config.hf_checkpoint={c.hf_checkpoint!r}: {e}") from None
     loss_cfg = _typed("loss", losses.LossConfig, dict(c.loss))
     rollout_cfg = _typed("rollout", RolloutConfig, dict(c.rollout))
     task_kwargs = {k: v for k, v in c.task.items() if k != "name"}

@@ -144,8 +144,13 @@ class Trainer:
         c, b = config, self.built
         self.mesh = _resolve_mesh(c.mesh)
         self.tokenizer = load_tokenizer(c.tokenizer_path or None)
-        model = model_lib.Transformer(b.model, rngs=nnx.Rngs(c.seed))
-        self.graphdef, params = nnx.split(model)
+        if c.hf_checkpoint:
+            from gspo_jax import hf
+
+            _, self.graphdef, params = hf.load_hf_checkpoint(
+                c.hf_checkpoint, dtype=b.model.param_dtype, dispatch=b.model.dispatch, mesh=self.mesh)
+        else:
+            self.graphdef, params = nnx.split(model_lib.Transformer(b.model, rngs=nnx.Rngs(c.seed)))
         self.param_sh = sharding_lib.param_shardings(self.mesh, params)
         self.params0 = jax.device_put(params, self.param_sh)
         self.batch_size = b.rollout.num_groups * b.rollout.group_size

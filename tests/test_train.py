@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from gspo_jax.config import base_config, build
+from gspo_jax.tasks import prompt_iterator
 from gspo_jax.train import Trainer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -188,3 +189,23 @@ def test_sigterm_saves_a_checkpoint_and_stops_at_the_iteration_boundary(tmp_path
     assert Checkpointer(tmp_path / "checkpoints").all_steps() == [1]
     steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert steps == [0, 1]
+
+
+def test_training_starts_from_a_hugging_face_checkpoint(tmp_path):
+    from gspo_jax import hf
+
+    ckpt = ROOT / "tests" / "fixtures" / "qwen3_moe_tiny"
+    c = tiny("gspo")
+    c.hf_checkpoint = str(ckpt)
+    c.warm_start.steps = 0
+    tr = Trainer(c, tmp_path)
+    cfg, _, state = hf.load_hf_checkpoint(ckpt)
+    assert tr.built.model.num_experts == cfg.num_experts and tr.built.model.embed_dim == cfg.embed_dim
+    for a, b in zip(jax.tree.leaves(tr.params0), jax.tree.leaves(state)):
+        np.testing.assert_array_equal(a, b)
+    state, metrics = tr.iteration(tr.init_state(tr.params0), prompt_iterator(tr.built.task, split="train"), 0)
+    assert np.isfinite(metrics["loss"]) and int(state["step"]) == c.train.minibatches
+    bad = tiny("gspo")
+    bad.hf_checkpoint = str(tmp_path / "missing")
+    with pytest.raises(ValueError, match="hf_checkpoint"):
+        build(bad)
