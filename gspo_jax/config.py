@@ -74,8 +74,6 @@ def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigD
     c.tokenizer_path = ""  # a local tokenizer directory (e.g. a real model's); "" = the built-in one
     c.hf_checkpoint = ""  # a local Hugging Face checkpoint directory to start from; "" = random init
 
-    if c.loss.aggregation == "seq_mean_token_sum_norm":
-        c.loss.sum_norm_len = float(c.max_new_tokens)
     if size == "tiny":
         c.prompt_len, c.max_new_tokens = 24, 8
         c.rollout.update(num_groups=2, group_size=4)
@@ -84,11 +82,12 @@ def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigD
     if size == "qwen3_30b_a3b":
         c.task = ml_collections.ConfigDict(dict(name="gsm8k"))
         c.prompt_len, c.max_new_tokens = 512, 1024
-        c.loss.sum_norm_len = 1024.0 if c.loss.aggregation == "seq_mean_token_sum_norm" else c.loss.sum_norm_len
         c.rollout.update(num_groups=64, group_size=8)
         c.train.update(num_iterations=500, minibatches=4, learning_rate=1e-6, warmup_steps=10)
         c.warm_start.update(steps=0)
         c.mesh.update(data=1, fsdp=-1, expert=8, tensor=1)  # -1: whatever devices remain
+    if c.loss.aggregation == "seq_mean_token_sum_norm":
+        c.loss.sum_norm_len = float(c.max_new_tokens)  # Dr.GRPO: the max completion length
     return c
 
 

@@ -219,7 +219,3 @@ class Sampler:
             args = jax.device_put(args, self._in_shardings)
         out, self._cache = self._fn(*args)
         return out
-
-    def compiles(self) -> int:
-        """How many versions of the generate function were compiled (1 in a healthy run)."""
-        return self._fn._cache_size()

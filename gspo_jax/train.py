@@ -36,6 +36,19 @@ from gspo_jax.tasks import load_tokenizer, prompt_iterator
 log = logging.getLogger(__name__)
 P_ = jax.sharding.PartitionSpec
 
+_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
+_compile_events = [0]
+
+
+def _count_compiles(name, *args, **kwargs):
+    if name == _COMPILE_EVENT:
+        _compile_events[0] += 1
+
+
+# XLA compiles in this process, logged per iteration as `xla_compiles` (0 after the first iteration
+# in a healthy run: every jitted function has fixed shapes).
+jax.monitoring.register_event_duration_secs_listener(_count_compiles)
+
 BATCH_KEYS = ("tokens", "positions", "loss_mask", "old_logp", "ref_logp", "advantages", "topk")
 
 
@@ -194,11 +207,6 @@ class Trainer:
         params = self.copy_params(params)
         state = dict(step=jnp.zeros((), jnp.int32), params=params, opt_state=self.init_opt(params), rng=rng)
         return jax.device_put(state, self.state_sh)
-
-    def compiles(self) -> dict[str, int]:
-        fns = dict(train_step=self.train_step, score=self.score, score_replay=self.score_replay,
-                   sampler=self.sampler._fn)
-        return {k: f._cache_size() for k, f in fns.items()}
 
     # -- one RL iteration
     def iteration(self, state: dict, prompts, iteration: int, ref_params=None) -> tuple[dict, dict]:
@@ -364,9 +372,11 @@ class Trainer:
         last: dict[str, Any] = {}
         with PreemptionGuard() as guard:
             for it in range(start, stop):
+                compiles_before = _compile_events[0]
                 state, metrics = self.iteration(state, prompts, it, ref_params)
                 if (it + 1) % c.train.eval_every == 0 or it + 1 == c.train.num_iterations:
                     metrics.update(self.evaluate(state["params"]))
+                metrics["xla_compiles"] = float(_compile_events[0] - compiles_before)
                 writer.write(it + 1, metrics)
                 last = metrics
                 meta = dict(iteration=it, prompts=prompts.state())

@@ -413,12 +413,15 @@ def test_token_logprobs_match_float64_log_softmax(maybe_jit):
     assert out.dtype == jnp.float32
 
 
-def test_policy_loss_compiles_once_for_new_values():
+def test_policy_loss_compiles_once_for_new_values(compile_counter):
     cfg = PRESETS["gspo"]
     f = jax.jit(functools.partial(policy_loss, cfg))
-    for seed in range(4):
-        f(*make_batch(seed, B=6, T=12)[:4])
-    assert f._cache_size() == 1
+    batches = [make_batch(seed, B=6, T=12)[:4] for seed in range(4)]
+    f(*batches[0])
+    compile_counter.reset()
+    for b in batches[1:]:
+        f(*b)
+    assert compile_counter.count == 0
 
 
 # ------------------------------------------------------------------ config validation

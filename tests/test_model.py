@@ -416,16 +416,20 @@ def test_sharded_forward_matches_single_device(maybe_jit, tiny, axes, dispatch):
     np.testing.assert_array_equal(aux.topk, aux_e.topk)
 
 
-def test_jit_compiles_once(tiny):
+def test_jit_compiles_once(tiny, compile_counter):
     cfg, graphdef, state = tiny
     fn = jax.jit(lambda state, tokens, positions: M.apply(graphdef, state, tokens, positions))
-    for seed in range(3):
-        fn(state, random_tokens(seed), arange_positions())
     forced_fn = jax.jit(
         lambda state, tokens, positions, forced: M.apply(graphdef, state, tokens, positions, forced_topk=forced)
     )
-    for seed in range(2):
-        forced = jax.random.randint(jax.random.key(seed), (cfg.num_moe_layers, B, T, 2), 0, 4) * 2 + jnp.array([0, 1])
-        forced_fn(state, random_tokens(seed), arange_positions(), forced)
-    assert fn._cache_size() == 1
-    assert forced_fn._cache_size() == 1
+    forced = [jax.random.randint(jax.random.key(seed), (cfg.num_moe_layers, B, T, 2), 0, 4) * 2 + jnp.array([0, 1])
+              for seed in range(3)]
+    tokens = [random_tokens(seed) for seed in range(3)]
+    positions = arange_positions()
+    fn(state, tokens[0], positions)
+    forced_fn(state, tokens[0], positions, forced[0])
+    compile_counter.reset()
+    for seed in (1, 2):
+        fn(state, tokens[seed], positions)
+        forced_fn(state, tokens[seed], positions, forced[seed])
+    assert compile_counter.count == 0

@@ -102,7 +102,6 @@ def test_no_recompiles_across_prompts_temperatures_seeds_and_eos(setup, compile_
         tok, m = left_pad(prompts, P)
         sampler(state, tok, m, jax.random.key(i), temperature=t, top_k=k, top_p=p, eos_ids=(int(rng.integers(4, 100)),))
     assert compile_counter.count == 0
-    assert sampler.compiles() == 1
 
 
 def test_bad_arguments_raise_early(setup):

@@ -106,7 +106,6 @@ def test_tiny_end_to_end_compiles_once_checkpoints_and_resumes_bitwise(tmp_path,
     c = tiny("grpo")  # KL to the reference: exercises the ref model path too
     full = Trainer(c, tmp_path / "full")
     full.run(progress=False)
-    assert all(n == 1 for n in full.compiles().values()), full.compiles()
 
     part = Trainer(c, tmp_path / "resumed")
     part.run(max_iterations=1, progress=False)  # "interrupted" after iteration 1
@@ -125,6 +124,8 @@ def test_tiny_end_to_end_compiles_once_checkpoints_and_resumes_bitwise(tmp_path,
     for r in lines[1:]:
         for k in ("loss", "reward_mean", "clip_frac", "approx_kl", "kl_ref", "drift_slot_change_rate"):
             assert np.isfinite(r[k]), (k, r[k])
+    assert lines[1]["xla_compiles"] > 0  # the first iteration compiles ...
+    assert [r["xla_compiles"] for r in lines[2:]] == [0.0, 0.0]  # ... and nothing compiles after it
     resumed = {r["step"]: r for r in map(json.loads, (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines())}
     for s in (1, 2, 3):
         assert resumed[s]["loss"] == last[s]["loss"] and resumed[s]["reward_mean"] == last[s]["reward_mean"]
