@@ -77,7 +77,7 @@ def main():
     n_tok = args.batch * args.new
     print(f"device: {jax.devices()[0].platform}  model: {args.model}  batch {args.batch}, "
           f"prompt {args.prompt}, new {args.new}")
-    print(f"| decoder | seconds | generated tokens/s |\n| --- | --- | --- |")
+    print("| decoder | seconds | generated tokens/s |\n| --- | --- | --- |")
     print(f"| KV cache + while_loop | {t_fast:.3f} | {n_tok / t_fast:,.0f} |")
     print(f"| naive full forward per step | {t_naive:.3f} | {n_tok / t_naive:,.0f} |")
     print(f"speed-up: {t_naive / t_fast:.1f}x")

@@ -14,7 +14,6 @@ import functools
 from typing import Any, Sequence
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from gspo_jax import advantages as adv_lib

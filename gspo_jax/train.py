@@ -8,7 +8,6 @@ Every jitted function has fixed shapes and compiles once per run.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import hashlib
 import json
@@ -30,7 +29,7 @@ from gspo_jax import model as model_lib
 from gspo_jax import routing
 from gspo_jax import sharding as sharding_lib
 from gspo_jax.rollout import Rollout, RolloutBatch
-from gspo_jax.sampler import Sampler, left_pad, sequence_logprobs
+from gspo_jax.sampler import Sampler, sequence_logprobs
 from gspo_jax.tasks import load_tokenizer, prompt_iterator
 
 log = logging.getLogger(__name__)
@@ -48,8 +47,6 @@ def _count_compiles(name, *args, **kwargs):
 # XLA compiles in this process, logged per iteration as `xla_compiles` (0 after the first iteration
 # in a healthy run: every jitted function has fixed shapes).
 jax.monitoring.register_event_duration_secs_listener(_count_compiles)
-
-BATCH_KEYS = ("tokens", "positions", "loss_mask", "old_logp", "ref_logp", "advantages", "topk")
 
 
 # ---------------------------------------------------------------------------------------------- pieces
@@ -311,7 +308,7 @@ class Trainer:
                        in_shardings=(self.param_sh, opt_sh, b2, b2, b2), out_shardings=(self.param_sh, opt_sh, self.rep))
         opt_state = jax.jit(tx.init, in_shardings=(self.param_sh,), out_shardings=opt_sh)(params)
         it = prompt_iterator(b.task, seed=c.seed + 2, split="train")
-        P, N, eos = c.prompt_len, c.max_new_tokens, self.tokenizer.eos_token_id
+        N, eos = c.max_new_tokens, self.tokenizer.eos_token_id
         losses_ = []
         for _ in range(w.steps):
             examples = it.next_batch(w.batch_size)

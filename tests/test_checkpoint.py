@@ -2,7 +2,6 @@
 retention, save cadence, fallback past corrupt steps, and the preemption guard."""
 
 import glob
-import json
 import logging
 import os
 import shutil
