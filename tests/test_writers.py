@@ -128,3 +128,12 @@ def test_plot_cli(tmp_path):
     assert result.returncode == 0, result.stderr
     assert out.stat().st_size > 1000
     assert (tmp_path / "gspo" / "plots" / "reward.png").exists()
+
+
+def test_missing_tensorboardx_falls_back_to_jsonl(tmp_path, monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "tensorboardX", None)  # makes the import raise ImportError
+    with MetricWriter(tmp_path) as w:
+        w.write(1, {"a": 1.0})
+    assert read_metrics(tmp_path)[0]["a"] == 1.0
+    assert not (tmp_path / "tb").exists()
+    assert any("tensorboardX" in r.getMessage() for r in caplog.records)
