@@ -24,6 +24,7 @@ import optax
 from flax import nnx
 
 from gspo_jax import config as config_lib
+from gspo_jax.compiles import CompileCounter
 from gspo_jax import losses
 from gspo_jax import model as model_lib
 from gspo_jax import routing
@@ -35,18 +36,6 @@ from gspo_jax.tasks import load_tokenizer, prompt_iterator
 log = logging.getLogger(__name__)
 P_ = jax.sharding.PartitionSpec
 
-_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-_compile_events = [0]
-
-
-def _count_compiles(name, *args, **kwargs):
-    if name == _COMPILE_EVENT:
-        _compile_events[0] += 1
-
-
-# XLA compiles in this process, logged per iteration as `xla_compiles` (0 after the first iteration
-# in a healthy run: every jitted function has fixed shapes).
-jax.monitoring.register_event_duration_secs_listener(_count_compiles)
 
 
 # ---------------------------------------------------------------------------------------------- pieces
@@ -369,11 +358,11 @@ class Trainer:
         last: dict[str, Any] = {}
         with PreemptionGuard() as guard:
             for it in range(start, stop):
-                compiles_before = _compile_events[0]
+                compiles = CompileCounter()  # logged as xla_compiles: 0 after the first iteration
                 state, metrics = self.iteration(state, prompts, it, ref_params)
                 if (it + 1) % c.train.eval_every == 0 or it + 1 == c.train.num_iterations:
                     metrics.update(self.evaluate(state["params"]))
-                metrics["xla_compiles"] = float(_compile_events[0] - compiles_before)
+                metrics["xla_compiles"] = float(compiles.count)
                 writer.write(it + 1, metrics)
                 last = metrics
                 meta = dict(iteration=it, prompts=prompts.state())

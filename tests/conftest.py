@@ -29,31 +29,9 @@ def maybe_jit(request):
     return wrap
 
 
-_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
-_compiles = [0]
-
-
-def _on_event(name, *args, **kwargs):
-    if name == _COMPILE_EVENT:
-        _compiles[0] += 1
-
-
-jax.monitoring.register_event_duration_secs_listener(_on_event)
-
-
-class CompileCounter:
-    """Counts XLA backend compiles (jax.monitoring events) since `reset()`."""
-
-    def reset(self):
-        self._start = _compiles[0]
-
-    @property
-    def count(self) -> int:
-        return _compiles[0] - self._start
-
-
 @pytest.fixture
 def compile_counter():
-    counter = CompileCounter()
-    counter.reset()
-    return counter
+    """XLA compiles since the test started (or since `compile_counter.reset()`)."""
+    from gspo_jax.compiles import CompileCounter
+
+    return CompileCounter()
