@@ -1,12 +1,14 @@
 """gspo_jax: critic-free RL (GRPO, DAPO, GSPO, ...) for sparse-MoE language models in JAX."""
 
+from pathlib import Path
+
 from setuptools import find_packages, setup
 
 setup(
     name="gspo_jax",
     version="0.1.0",
     description="GRPO / DAPO / GSPO and relatives for sparse-MoE policies in JAX/Flax",
-    long_description=open("README.md", encoding="utf-8").read(),
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
     packages=find_packages(include=["gspo_jax", "gspo_jax.*"]),
@@ -31,7 +33,7 @@ setup(
         "numpy>=2.0",
     ],
     extras_require={
-        "dev": ["pytest>=9.0", "hypothesis>=6.155"],
+        "dev": ["pytest>=9.0", "hypothesis>=6.155", "ruff>=0.17.6"],
         "tpu": ["jax[tpu]>=0.10.2"],
     },
 )

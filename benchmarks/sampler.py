@@ -28,7 +28,9 @@ def naive_decoder(graphdef, prompt_len: int, max_new: int, max_top_k: int):
         last_BV = jax.lax.dynamic_index_in_dim(logits_BLV, prompt_len + i - 1, axis=1, keepdims=False)
         tok_B, _ = sample_logits(last_BV, key, temperature, top_k, top_p, max_top_k)
         seq_BL = jax.lax.dynamic_update_slice_in_dim(seq_BL, tok_B[:, None], prompt_len + i, axis=1)
-        valid_BL = jax.lax.dynamic_update_slice_in_dim(valid_BL, jnp.ones_like(tok_B, bool)[:, None], prompt_len + i, axis=1)
+        valid_BL = jax.lax.dynamic_update_slice_in_dim(
+            valid_BL, jnp.ones_like(tok_B, bool)[:, None], prompt_len + i, axis=1
+        )
         return seq_BL, valid_BL
 
     def generate(state, prompts, mask, key, temperature, top_k, top_p):
@@ -65,8 +67,10 @@ def main():
     cfg = model_lib.get_config(args.model)
     graphdef, state = nnx.split(model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
     rng = np.random.default_rng(0)
-    prompts, mask = left_pad([rng.integers(4, cfg.vocab_size, rng.integers(args.prompt // 2, args.prompt + 1))
-                              for _ in range(args.batch)], args.prompt)
+    prompts, mask = left_pad(
+        [rng.integers(4, cfg.vocab_size, rng.integers(args.prompt // 2, args.prompt + 1)) for _ in range(args.batch)],
+        args.prompt,
+    )
     t, k, p = jnp.float32(1.0), jnp.int32(20), jnp.float32(0.95)
     sampler = Sampler(graphdef, cfg, args.batch, args.prompt, args.new, max_top_k=64)
     naive = naive_decoder(graphdef, args.prompt, args.new, 64)
@@ -75,8 +79,10 @@ def main():
     t_fast = timed(lambda: sampler(state, prompts, mask, key, temperature=t, top_k=k, top_p=p).tokens, args.repeats)
     t_naive = timed(lambda: naive(state, prompts, mask, key, t, k, p), args.repeats)
     n_tok = args.batch * args.new
-    print(f"device: {jax.devices()[0].platform}  model: {args.model}  batch {args.batch}, "
-          f"prompt {args.prompt}, new {args.new}")
+    print(
+        f"device: {jax.devices()[0].platform}  model: {args.model}  batch {args.batch}, "
+        f"prompt {args.prompt}, new {args.new}"
+    )
     print("| decoder | seconds | generated tokens/s |\n| --- | --- | --- |")
     print(f"| KV cache + while_loop | {t_fast:.3f} | {n_tok / t_fast:,.0f} |")
     print(f"| naive full forward per step | {t_naive:.3f} | {n_tok / t_naive:,.0f} |")

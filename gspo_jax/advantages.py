@@ -16,8 +16,14 @@ SCALES = ("group", "batch", "none")
 
 # How each loss preset scales its advantages (Dr.GRPO drops the std division).
 PRESET_ADVANTAGE_SCALE = {
-    "grpo": "group", "dapo": "group", "gspo": "group", "gspo_token": "group",
-    "dr_grpo": "none", "gmpo": "group", "cispo": "group", "sapo": "group",
+    "grpo": "group",
+    "dapo": "group",
+    "gspo": "group",
+    "gspo_token": "group",
+    "dr_grpo": "none",
+    "gmpo": "group",
+    "cispo": "group",
+    "sapo": "group",
 }
 
 
@@ -26,8 +32,7 @@ def _check_groups(rewards: Array, group_size: int) -> int:
         raise ValueError(f"group_size={group_size!r} is not allowed; it must be an int >= 1")
     if rewards.ndim != 1 or rewards.shape[0] % group_size:
         raise ValueError(
-            f"rewards must be a flat [B] vector with B a multiple of group_size={group_size}; "
-            f"got shape {rewards.shape}"
+            f"rewards must be a flat [B] vector with B a multiple of group_size={group_size}; got shape {rewards.shape}"
         )
     return rewards.shape[0] // group_size
 
@@ -67,9 +72,7 @@ def group_advantages(
     r_GN = rewards.reshape(num_groups, group_size)
     constant_G1 = jnp.max(r_GN, axis=1, keepdims=True) == jnp.min(r_GN, axis=1, keepdims=True)
     centered_GN = jnp.where(constant_G1, 0.0, r_GN - jnp.mean(r_GN, axis=1, keepdims=True))
-    valid_GN = (
-        jnp.ones_like(r_GN, bool) if valid is None else jnp.asarray(valid, bool).reshape(r_GN.shape)
-    )
+    valid_GN = jnp.ones_like(r_GN, bool) if valid is None else jnp.asarray(valid, bool).reshape(r_GN.shape)
     if scale == "group":
         centered_GN = _safe_div(centered_GN, _sample_std(r_GN, axis=1, keepdims=True) + eps)
     elif scale == "batch":

@@ -55,8 +55,9 @@ class Checkpointer:
     forced saves block before returning; normal interpreter exit also waits (see `_register_exit_wait`).
     """
 
-    def __init__(self, directory: str | os.PathLike, *, max_to_keep: int | None = 3,
-                 save_every: int = 1, async_save: bool = True):
+    def __init__(
+        self, directory: str | os.PathLike, *, max_to_keep: int | None = 3, save_every: int = 1, async_save: bool = True
+    ):
         if save_every < 1:
             raise ValueError(f"save_every must be >= 1, got {save_every}")
         directory = os.fspath(directory)
@@ -64,9 +65,9 @@ class Checkpointer:
         self.save_every = save_every
         async_save = async_save and _register_exit_wait(self)
         options = ocp.CheckpointManagerOptions(
-            max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save)
-        self._manager = ocp.CheckpointManager(
-            self.directory, options=options, item_names=(STATE_ITEM, META_ITEM))
+            max_to_keep=max_to_keep, create=True, enable_async_checkpointing=async_save
+        )
+        self._manager = ocp.CheckpointManager(self.directory, options=options, item_names=(STATE_ITEM, META_ITEM))
         self._closed = False
 
     # -- saving ---------------------------------------------------------------------------------
@@ -85,16 +86,21 @@ class Checkpointer:
         if step in steps:
             return False
         if steps and step < max(steps):
-            log.warning("Not saving step %d: %s already holds newer step %d.",
-                        step, self.directory, max(steps))
+            log.warning("Not saving step %d: %s already holds newer step %d.", step, self.directory, max(steps))
             return False
         if not force and step % self.save_every:
             return False
         # force=True: the save_every decision above is the only one; orbax's own policy is bypassed.
-        saved = self._manager.save(step, args=ocp.args.Composite(**{
-            STATE_ITEM: ocp.args.StandardSave(state),
-            META_ITEM: ocp.args.JsonSave(meta_json),
-        }), force=True)
+        saved = self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                **{
+                    STATE_ITEM: ocp.args.StandardSave(state),
+                    META_ITEM: ocp.args.JsonSave(meta_json),
+                }
+            ),
+            force=True,
+        )
         if force:
             self._manager.wait_until_finished()
         return saved
@@ -134,10 +140,15 @@ class Checkpointer:
         """
         if not (self.directory / str(step) / _COMMIT_MARKER).exists():
             raise FileNotFoundError(f"step {step} has no {_COMMIT_MARKER}: save never finished")
-        restored = self._manager.restore(step, args=ocp.args.Composite(**{
-            STATE_ITEM: ocp.args.StandardRestore(abstract_state),
-            META_ITEM: ocp.args.JsonRestore(),
-        }))
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                **{
+                    STATE_ITEM: ocp.args.StandardRestore(abstract_state),
+                    META_ITEM: ocp.args.JsonRestore(),
+                }
+            ),
+        )
         meta = restored[META_ITEM]
         if not isinstance(meta, dict):
             raise ValueError(f"step {step}: meta is {type(meta).__name__}, not a dict")
@@ -157,17 +168,26 @@ class Checkpointer:
             try:
                 state, meta = self.restore(step, abstract_state)
             except Exception as e:  # noqa: BLE001 - any failure means "try the previous step"
-                log.warning("Checkpoint step %d in %s does not restore (%s: %s); trying an older "
-                            "step.", step, self.directory, type(e).__name__, _short(e))
+                log.warning(
+                    "Checkpoint step %d in %s does not restore (%s: %s); trying an older step.",
+                    step,
+                    self.directory,
+                    type(e).__name__,
+                    _short(e),
+                )
                 failed.append(step)
                 continue
             if failed:
                 self._quarantine(failed)
             return step, state, meta
         if failed:
-            log.error("No checkpoint in %s restores (steps %s); starting fresh. Saves of steps "
-                      "<= %d will be refused until those directories are moved.",
-                      self.directory, sorted(failed), max(failed))
+            log.error(
+                "No checkpoint in %s restores (steps %s); starting fresh. Saves of steps "
+                "<= %d will be refused until those directories are moved.",
+                self.directory,
+                sorted(failed),
+                max(failed),
+            )
         return None
 
     def _quarantine(self, steps: Iterable[int]) -> None:
@@ -181,10 +201,12 @@ class Checkpointer:
                     (self.directory / str(step)).rename(dest)
                     log.warning("Moved unrestorable checkpoint step %d to %s.", step, dest)
                 except OSError as e:
-                    log.error("Could not move step %d aside (%s); later saves of steps <= %d "
-                              "will be refused.", step, e, step)
+                    log.error(
+                        "Could not move step %d aside (%s); later saves of steps <= %d will be refused.", step, e, step
+                    )
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
+
             multihost_utils.sync_global_devices("gspo_jax.checkpoint.quarantine")
         self._manager.reload()
 
@@ -248,8 +270,10 @@ def _check_no_typed_keys(state: Any) -> None:
     for path, leaf in jax.tree_util.tree_leaves_with_path(state):
         dtype = getattr(leaf, "dtype", None)
         if dtype is not None and jax.dtypes.issubdtype(dtype, jax.dtypes.prng_key):
-            raise TypeError(f"typed PRNG key at {jax.tree_util.keystr(path)}: save "
-                            "jax.random.key_data(key) and rebuild with jax.random.wrap_key_data")
+            raise TypeError(
+                f"typed PRNG key at {jax.tree_util.keystr(path)}: save "
+                "jax.random.key_data(key) and rebuild with jax.random.wrap_key_data"
+            )
 
 
 def _short(e: Exception, limit: int = 300) -> str:

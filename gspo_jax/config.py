@@ -22,9 +22,21 @@ SIZES = ("tiny", "default", "qwen3_30b_a3b")
 OLD_LOGP_SOURCES = ("sampler", "trainer")
 REPLAY = ("none", "R2", "R3")  # R2: π_old's routing recomputed by the trainer; R3: the sampler's
 
-_DEFAULT_MODEL = dict(vocab_size=128, embed_dim=128, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=32,
-                      mlp_dim=256, num_experts=8, top_k=2, moe_mlp_dim=128, dense_layers=(0,),
-                      lb_loss_coef=0.01, z_loss_coef=0.001)
+_DEFAULT_MODEL = dict(
+    vocab_size=128,
+    embed_dim=128,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=32,
+    mlp_dim=256,
+    num_experts=8,
+    top_k=2,
+    moe_mlp_dim=128,
+    dense_layers=(0,),
+    lb_loss_coef=0.01,
+    z_loss_coef=0.001,
+)
 
 
 def _dataclass_dict(dc) -> dict[str, Any]:
@@ -57,18 +69,36 @@ def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigD
     c.prompt_len = 24  # the prompt bucket (BOS + prompt), tokens
     c.max_new_tokens = 12
 
-    c.rollout = _dataclass_dict(RolloutConfig(
-        num_groups=8, group_size=8, advantage_scale=PRESET_ADVANTAGE_SCALE[algorithm]))
+    c.rollout = _dataclass_dict(
+        RolloutConfig(num_groups=8, group_size=8, advantage_scale=PRESET_ADVANTAGE_SCALE[algorithm])
+    )
     if algorithm == "dapo":
-        c.rollout.update(dynamic_sampling=True, max_rounds=3, overlong_filter=False, overlong_cache_len=4,
-                         overlong_factor=1.0)
+        c.rollout.update(
+            dynamic_sampling=True, max_rounds=3, overlong_filter=False, overlong_cache_len=4, overlong_factor=1.0
+        )
 
-    c.train = ml_collections.ConfigDict(dict(
-        num_iterations=150, epochs=1, minibatches=2, microbatches=1,
-        learning_rate=1e-4, warmup_steps=5, end_lr_factor=0.1, weight_decay=0.0, max_grad_norm=1.0,
-        b1=0.9, b2=0.99, old_logp_source="trainer", routing_replay="none", drift_metrics=True,
-        eval_every=10, eval_batches=4, checkpoint_every=10, keep_checkpoints=3,
-    ))
+    c.train = ml_collections.ConfigDict(
+        dict(
+            num_iterations=150,
+            epochs=1,
+            minibatches=2,
+            microbatches=1,
+            learning_rate=1e-4,
+            warmup_steps=5,
+            end_lr_factor=0.1,
+            weight_decay=0.0,
+            max_grad_norm=1.0,
+            b1=0.9,
+            b2=0.99,
+            old_logp_source="trainer",
+            routing_replay="none",
+            drift_metrics=True,
+            eval_every=10,
+            eval_batches=4,
+            checkpoint_every=10,
+            keep_checkpoints=3,
+        )
+    )
     c.warm_start = ml_collections.ConfigDict(dict(steps=160, batch_size=64, learning_rate=3e-3, cache_dir=""))
     c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, expert=1, tensor=1))
     c.tokenizer_path = ""  # a local tokenizer directory (e.g. a real model's); "" = the built-in one
@@ -143,22 +173,44 @@ def build(c: ml_collections.ConfigDict) -> Built:
     t, w = c.train, c.warm_start
     for key in ("prompt_len", "max_new_tokens"):
         _check(isinstance(c[key], int) and c[key] >= 1, key, "it must be an int >= 1", c[key])
-    for key in ("num_iterations", "epochs", "minibatches", "microbatches", "eval_every", "checkpoint_every",
-                "keep_checkpoints"):
+    for key in (
+        "num_iterations",
+        "epochs",
+        "minibatches",
+        "microbatches",
+        "eval_every",
+        "checkpoint_every",
+        "keep_checkpoints",
+    ):
         _check(isinstance(t[key], int) and t[key] >= 1, f"train.{key}", "it must be an int >= 1", t[key])
     for key in ("learning_rate", "max_grad_norm"):
         _check(t[key] > 0, f"train.{key}", "it must be > 0", t[key])
-    _check(t.old_logp_source in OLD_LOGP_SOURCES, "train.old_logp_source", f"choose one of {OLD_LOGP_SOURCES}",
-           t.old_logp_source)
+    _check(
+        t.old_logp_source in OLD_LOGP_SOURCES,
+        "train.old_logp_source",
+        f"choose one of {OLD_LOGP_SOURCES}",
+        t.old_logp_source,
+    )
     _check(t.routing_replay in REPLAY, "train.routing_replay", f"choose one of {REPLAY}", t.routing_replay)
     batch = rollout_cfg.num_groups * rollout_cfg.group_size
-    _check(batch % (t.minibatches * t.microbatches) == 0, "train.minibatches",
-           f"num_groups×group_size={batch} must be divisible by minibatches×microbatches", t.minibatches)
+    _check(
+        batch % (t.minibatches * t.microbatches) == 0,
+        "train.minibatches",
+        f"num_groups×group_size={batch} must be divisible by minibatches×microbatches",
+        t.minibatches,
+    )
     _check(isinstance(w.steps, int) and w.steps >= 0, "warm_start.steps", "it must be an int >= 0", w.steps)
-    _check(model_cfg.vocab_size >= 128 or c.tokenizer_path, "model.vocab_size",
-           "the built-in tokenizer needs vocab_size >= 128", model_cfg.vocab_size)
+    _check(
+        model_cfg.vocab_size >= 128 or c.tokenizer_path,
+        "model.vocab_size",
+        "the built-in tokenizer needs vocab_size >= 128",
+        model_cfg.vocab_size,
+    )
     if loss_cfg.aggregation == "seq_mean_token_sum_norm":
-        _check(loss_cfg.sum_norm_len == float(c.max_new_tokens), "loss.sum_norm_len",
-               f"Dr.GRPO normalises by the max completion length, max_new_tokens={c.max_new_tokens}",
-               loss_cfg.sum_norm_len)
+        _check(
+            loss_cfg.sum_norm_len == float(c.max_new_tokens),
+            "loss.sum_norm_len",
+            f"Dr.GRPO normalises by the max completion length, max_new_tokens={c.max_new_tokens}",
+            loss_cfg.sum_norm_len,
+        )
     return Built(model=model_cfg, loss=loss_cfg, rollout=rollout_cfg, task=task)

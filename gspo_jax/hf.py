@@ -31,7 +31,7 @@ from jax.sharding import Mesh
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from gspo_jax import model as M
+from gspo_jax import model as model_lib
 from gspo_jax import sharding
 
 MODEL_TYPES = ("qwen3_moe", "mixtral")
@@ -40,8 +40,15 @@ ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausa
 EXPERT_NAMES = {"qwen3_moe": ("gate_proj", "up_proj", "down_proj"), "mixtral": ("w1", "w3", "w2")}
 # Files copied verbatim from a source directory on export (tokenizer and generation defaults).
 PASSTHROUGH_FILES = (
-    "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json",
-    "vocab.json", "merges.txt", "tokenizer.model", "chat_template.jinja", "chat_template.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "tokenizer.model",
+    "chat_template.jinja",
+    "chat_template.json",
     "generation_config.json",
 )
 DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default "5GB"
@@ -72,7 +79,9 @@ def _rope_theta(hf: dict, model_type: str) -> float:
             raise ValueError(f"config_from_hf: rope_parameters per layer type are not supported, got {params!r}")
         rope_type = params.get("rope_type", params.get("type", "default"))
         if rope_type != "default":
-            raise ValueError(f"config_from_hf: rope_parameters.rope_type {rope_type!r} is not supported (only 'default')")
+            raise ValueError(
+                f"config_from_hf: rope_parameters.rope_type {rope_type!r} is not supported (only 'default')"
+            )
         if params.get("partial_rotary_factor", 1.0) != 1.0:
             raise ValueError("config_from_hf: rope_parameters.partial_rotary_factor != 1 is not supported")
     scaling = hf.get("rope_scaling")
@@ -94,7 +103,7 @@ def _param_dtype(hf: dict) -> str:
     return "bfloat16" if name == "bfloat16" else "float32"
 
 
-def config_from_hf(hf_config: Mapping | str | os.PathLike, **overrides) -> M.ModelConfig:
+def config_from_hf(hf_config: Mapping | str | os.PathLike, **overrides) -> model_lib.ModelConfig:
     """`ModelConfig` from an HF config dict, config.json or checkpoint directory.
 
     `overrides` replace fields HF does not describe (dispatch, dtype, z_loss_coef, ...).
@@ -119,7 +128,9 @@ def config_from_hf(hf_config: Mapping | str | os.PathLike, **overrides) -> M.Mod
         if hf.get(field):
             raise ValueError(f"config_from_hf: {field}={hf[field]!r}: shared experts are not supported")
     if any(t != "full_attention" for t in hf.get("layer_types") or ()):
-        raise ValueError(f"config_from_hf: layer_types other than 'full_attention' are not supported: {hf['layer_types']}")
+        raise ValueError(
+            f"config_from_hf: layer_types other than 'full_attention' are not supported: {hf['layer_types']}"
+        )
     # Sliding-window attention is only an error where the HF model would apply it.
     uses_window = hf.get("sliding_window") is not None
     if model_type == "qwen3_moe":
@@ -135,8 +146,9 @@ def config_from_hf(hf_config: Mapping | str | os.PathLike, **overrides) -> M.Mod
         num_layers=int(req("num_hidden_layers")),
         num_heads=heads,
         # Mixtral falls back to plain multi-head attention; Qwen3-MoE configs always carry it.
-        num_kv_heads=int(heads if model_type == "mixtral" and hf.get("num_key_value_heads") is None
-                         else req("num_key_value_heads")),
+        num_kv_heads=int(
+            heads if model_type == "mixtral" and hf.get("num_key_value_heads") is None else req("num_key_value_heads")
+        ),
         head_dim=int(hf.get("head_dim") or hidden // heads),
         rope_theta=_rope_theta(hf, model_type),
         tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
@@ -174,10 +186,10 @@ def config_from_hf(hf_config: Mapping | str | os.PathLike, **overrides) -> M.Mod
             dense_layers=(),
         )
     fields.update(overrides)
-    return M.ModelConfig(**fields)
+    return model_lib.ModelConfig(**fields)
 
 
-def config_to_hf(cfg: M.ModelConfig, model_type: str = "qwen3_moe", *, extra: Mapping | None = None) -> dict:
+def config_to_hf(cfg: model_lib.ModelConfig, model_type: str = "qwen3_moe", *, extra: Mapping | None = None) -> dict:
     """The HF config.json dict for `cfg` (transformers 5 names, readable by v4 too).
 
     `extra` is merged last (e.g. bos/eos token ids, max_position_embeddings). Raises
@@ -264,7 +276,9 @@ class _Tensors:
         return x
 
 
-def hf_to_params(tensors: Mapping[str, Any], cfg: M.ModelConfig, model_type: str) -> dict[ParamPath, np.ndarray]:
+def hf_to_params(
+    tensors: Mapping[str, Any], cfg: model_lib.ModelConfig, model_type: str
+) -> dict[ParamPath, np.ndarray]:
     """Our parameters (path -> array in our layout) from HF tensors (name -> [out, in] arrays).
 
     Raises ValueError for a missing, misshapen or unused tensor.
@@ -319,7 +333,9 @@ def hf_to_params(tensors: Mapping[str, Any], cfg: M.ModelConfig, model_type: str
     return out
 
 
-def params_to_hf(params: Mapping[ParamPath, np.ndarray], cfg: M.ModelConfig, model_type: str) -> dict[str, np.ndarray]:
+def params_to_hf(
+    params: Mapping[ParamPath, np.ndarray], cfg: model_lib.ModelConfig, model_type: str
+) -> dict[str, np.ndarray]:
     """HF tensors with the classic per-expert names `save_pretrained` writes, from our parameters."""
     D = cfg.embed_dim
     c = np.ascontiguousarray
@@ -370,7 +386,7 @@ class _LazyTensors(Mapping):
     """name -> numpy array over open safetensors files, read on access (bf16 via ml_dtypes)."""
 
     def __init__(self, handles):
-        self._where = {name: h for h in handles for name in h.keys()}
+        self._where = {name: h for h in handles for name in h}
 
     def __getitem__(self, name):
         return self._where[name].get_tensor(name)
@@ -430,14 +446,14 @@ def state_to_params(state: nnx.State) -> dict[ParamPath, np.ndarray]:
 
 
 def params_to_state(
-    cfg: M.ModelConfig, params: Mapping[ParamPath, np.ndarray], mesh: Mesh | None = None
+    cfg: model_lib.ModelConfig, params: Mapping[ParamPath, np.ndarray], mesh: Mesh | None = None
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, state) of `Transformer(cfg)` holding `params`, each cast to cfg.param_dtype.
 
     With `mesh`, each parameter is placed straight into its logical-axis sharding
     (`sharding.param_shardings`), so no single device ever holds the whole model.
     """
-    graphdef, abstract = M.abstract_model(cfg)
+    graphdef, abstract = model_lib.abstract_model(cfg)
     dtype = np.dtype(cfg.jnp_param_dtype)
     where: dict[ParamPath, Any] = {}
     if mesh is not None:
@@ -465,7 +481,7 @@ def load_hf_checkpoint(
     dtype: str | None = None,
     dispatch: str | None = None,
     mesh: Mesh | None = None,
-) -> tuple[M.ModelConfig, nnx.GraphDef, nnx.State]:
+) -> tuple[model_lib.ModelConfig, nnx.GraphDef, nnx.State]:
     """(cfg, graphdef, state) from an HF Qwen3-MoE / Mixtral checkpoint directory.
 
     `dtype` ('float32' | 'bfloat16') sets parameter and compute dtype; default: the
@@ -491,7 +507,7 @@ def load_hf_checkpoint(
 
 def save_hf_checkpoint(
     directory: str | os.PathLike,
-    cfg: M.ModelConfig,
+    cfg: model_lib.ModelConfig,
     state: nnx.State,
     model_type: str = "qwen3_moe",
     *,
@@ -528,4 +544,3 @@ def copy_passthrough_files(src: str | os.PathLike, dst: str | os.PathLike) -> li
             shutil.copyfile(path, os.path.join(dst, name))
             copied.append(name)
     return copied
-

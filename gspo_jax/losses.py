@@ -21,7 +21,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Callable, NamedTuple
+from collections.abc import Callable
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -103,8 +104,7 @@ class LossConfig:
         if sequence_level != (self.aggregation == "sequence"):
             allowed = ("sequence",) if sequence_level else AGGREGATIONS[:3]
             raise ValueError(
-                f"LossConfig.aggregation={self.aggregation!r} does not go with ratio={self.ratio!r}; "
-                f"allowed: {allowed}"
+                f"LossConfig.aggregation={self.aggregation!r} does not go with ratio={self.ratio!r}; allowed: {allowed}"
             )
         if self.aggregation == "seq_mean_token_sum_norm" and self.sum_norm_len is None:
             raise ValueError(
@@ -124,9 +124,7 @@ PRESETS: dict[str, LossConfig] = {
     "dapo": LossConfig(eps_low=0.2, eps_high=0.28, aggregation="token_mean"),
     # GSPO: sequence ratio with tiny ranges (3e-4 / 4e-4), one loss per sequence.
     "gspo": LossConfig(ratio="sequence", eps_low=3e-4, eps_high=4e-4, aggregation="sequence"),
-    "gspo_token": LossConfig(
-        ratio="sequence_token", eps_low=3e-4, eps_high=4e-4, aggregation="seq_mean_token_mean"
-    ),
+    "gspo_token": LossConfig(ratio="sequence_token", eps_low=3e-4, eps_high=4e-4, aggregation="seq_mean_token_mean"),
     # Dr.GRPO: sum over tokens divided by a constant; set sum_norm_len to the max completion length
     # (the trainer does). Its advantages are not std-scaled (advantages.PRESET_ADVANTAGE_SCALE).
     "dr_grpo": LossConfig(aggregation="seq_mean_token_sum_norm", sum_norm_len=1024.0),
@@ -207,9 +205,7 @@ def sequence_log_ratio(delta_BT: Array, mask_BT: Array, clamp: float) -> Array:
     return clamp_log_ratio(_mean_delta(delta_BT, mask_BT), clamp)
 
 
-def sequence_token_log_ratio(
-    delta_BT: Array, logp_BT: Array, mask_BT: Array, clamp: float
-) -> Array:
+def sequence_token_log_ratio(delta_BT: Array, logp_BT: Array, mask_BT: Array, clamp: float) -> Array:
     """log s_{i,t} = sg[log s_i] + logp_t - sg[logp_t]: value of s_i, gradient of each token alone.
 
     Where log s_i is clamped, the token gradients are cut too, as GSPO's are.
@@ -346,7 +342,9 @@ def _prepare(logp, old_logp, advantages, mask, ref_logp, cfg: LossConfig):
     advantages = jnp.asarray(advantages)
     B = logp.shape[0]
     if advantages.shape not in ((B,), logp.shape):
-        raise ValueError(f"policy_loss: advantages must have shape [B]={(B,)} or [B, T]={logp.shape}; got {advantages.shape}")
+        raise ValueError(
+            f"policy_loss: advantages must have shape [B]={(B,)} or [B, T]={logp.shape}; got {advantages.shape}"
+        )
     if cfg.sequence_level and advantages.ndim != 1:
         raise ValueError(
             f"policy_loss: ratio={cfg.ratio!r} takes one advantage per sequence, shape [B]; got "
@@ -438,14 +436,27 @@ def policy_loss(
     policy = policy_num / denom
     kl_term = cfg.kl_coef * kl_num / denom
     loss = policy + kl_term
-    metrics.update(_diagnostics(clamp_log_ratio(delta_BT, clamp), log_s_B, adv, mask_BT, seq_ok_B,
-                                low_BT, high_BT, dual_BT, seq_clipped_B, weight_BT))
+    metrics.update(
+        _diagnostics(
+            clamp_log_ratio(delta_BT, clamp),
+            log_s_B,
+            adv,
+            mask_BT,
+            seq_ok_B,
+            low_BT,
+            high_BT,
+            dual_BT,
+            seq_clipped_B,
+            weight_BT,
+        )
+    )
     metrics.update(loss=loss, policy_loss=policy, kl_loss=kl_term, denominator=denom)
     return loss, metrics
 
 
-def _diagnostics(delta_BT, log_s_B, adv, mask_BT, seq_ok_B, low_BT, high_BT, dual_BT,
-                 seq_clipped_B, weight_BT) -> dict[str, Array]:
+def _diagnostics(
+    delta_BT, log_s_B, adv, mask_BT, seq_ok_B, low_BT, high_BT, dual_BT, seq_clipped_B, weight_BT
+) -> dict[str, Array]:
     """Everything listed under "Diagnostics" in ALGORITHMS.md, as float32 scalars (no gradient)."""
     sg = jax.lax.stop_gradient
     delta_BT, log_s_B, weight_BT = sg(delta_BT), sg(log_s_B), sg(weight_BT)
@@ -461,8 +472,12 @@ def _diagnostics(delta_BT, log_s_B, adv, mask_BT, seq_ok_B, low_BT, high_BT, dua
         "clip_frac_high": frac(high_BT),
         "dual_clip_frac": frac(dual_BT),
         "seq_clip_frac": jnp.sum(seq_clipped_B & seq_ok_B) / n_seq,
-        "ratio_mean": r_mean, "ratio_min": r_min, "ratio_max": r_max,
-        "seq_ratio_mean": s_mean, "seq_ratio_min": s_min, "seq_ratio_max": s_max,
+        "ratio_mean": r_mean,
+        "ratio_min": r_min,
+        "ratio_max": r_max,
+        "seq_ratio_mean": s_mean,
+        "seq_ratio_min": s_min,
+        "seq_ratio_max": s_max,
         "approx_kl": _masked_sum(kl_k3(delta_BT), mask_BT) / n_tok,
         "grad_weight_mean": _masked_sum(weight_BT, mask_BT) / n_tok,
         "zero_adv_frac": jnp.sum(zero_adv_B & seq_ok_B) / n_seq,

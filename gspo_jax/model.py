@@ -120,21 +120,64 @@ class ModelConfig:
 PRESETS: dict[str, ModelConfig] = {
     # Fast on CPU: layer 0 dense, layers 1-2 MoE (8 experts, top-2).
     "tiny": ModelConfig(
-        vocab_size=128, embed_dim=64, num_layers=3, num_heads=4, num_kv_heads=2, head_dim=16,
-        qk_norm=True, mlp_dim=128, num_experts=8, top_k=2, moe_mlp_dim=32, dense_layers=(0,),
-        lb_loss_coef=0.01, z_loss_coef=0.001,
+        vocab_size=128,
+        embed_dim=64,
+        num_layers=3,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        qk_norm=True,
+        mlp_dim=128,
+        num_experts=8,
+        top_k=2,
+        moe_mlp_dim=32,
+        dense_layers=(0,),
+        lb_loss_coef=0.01,
+        z_loss_coef=0.001,
     ),
     "qwen3_30b_a3b": ModelConfig(
-        vocab_size=151936, embed_dim=2048, num_layers=48, num_heads=32, num_kv_heads=4, head_dim=128,
-        qk_norm=True, rope_theta=1e6, rms_eps=1e-6, mlp_dim=6144, tie_embeddings=False,
-        num_experts=128, top_k=8, moe_mlp_dim=768, renormalize_topk=True, moe_every=1,
-        lb_loss_coef=0.001, dispatch="ragged", param_dtype="bfloat16", dtype="bfloat16",
+        vocab_size=151936,
+        embed_dim=2048,
+        num_layers=48,
+        num_heads=32,
+        num_kv_heads=4,
+        head_dim=128,
+        qk_norm=True,
+        rope_theta=1e6,
+        rms_eps=1e-6,
+        mlp_dim=6144,
+        tie_embeddings=False,
+        num_experts=128,
+        top_k=8,
+        moe_mlp_dim=768,
+        renormalize_topk=True,
+        moe_every=1,
+        lb_loss_coef=0.001,
+        dispatch="ragged",
+        param_dtype="bfloat16",
+        dtype="bfloat16",
     ),
     "mixtral_8x7b": ModelConfig(
-        vocab_size=32000, embed_dim=4096, num_layers=32, num_heads=32, num_kv_heads=8, head_dim=128,
-        qk_norm=False, rope_theta=1e6, rms_eps=1e-5, mlp_dim=14336, tie_embeddings=False,
-        num_experts=8, top_k=2, moe_mlp_dim=14336, renormalize_topk=True, moe_every=1,
-        lb_loss_coef=0.02, dispatch="ragged", param_dtype="bfloat16", dtype="bfloat16",
+        vocab_size=32000,
+        embed_dim=4096,
+        num_layers=32,
+        num_heads=32,
+        num_kv_heads=8,
+        head_dim=128,
+        qk_norm=False,
+        rope_theta=1e6,
+        rms_eps=1e-5,
+        mlp_dim=14336,
+        tie_embeddings=False,
+        num_experts=8,
+        top_k=2,
+        moe_mlp_dim=14336,
+        renormalize_topk=True,
+        moe_every=1,
+        lb_loss_coef=0.02,
+        dispatch="ragged",
+        param_dtype="bfloat16",
+        dtype="bfloat16",
     ),
 }
 
@@ -278,9 +321,9 @@ class Attention(nnx.Module):
             new_kv = (k_all, v_all)
         G = cfg.num_heads // cfg.num_kv_heads
         q_BTKGD = q_BTHD.reshape(B, T, cfg.num_kv_heads, G, cfg.head_dim)
-        scores_BKGTS = jnp.einsum(
-            "btkgd,bskd->bkgts", q_BTKGD, k_BSKD, preferred_element_type=jnp.float32
-        ) * (cfg.head_dim**-0.5)
+        scores_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD, preferred_element_type=jnp.float32) * (
+            cfg.head_dim**-0.5
+        )
         mask_BTS = attention_mask(positions_BT, key_pos_BS, q_slot_T, k_slot_S)
         scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, MASK_VALUE)
         probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1)
@@ -317,9 +360,15 @@ class Block(nnx.Module):
         self.post_attention_layernorm = RMSNorm(cfg.embed_dim, cfg.rms_eps, param_dtype=pd, rngs=rngs)
         if self.is_moe:
             self.mlp = moe.MoE(
-                cfg.embed_dim, cfg.num_experts, cfg.top_k, cfg.moe_mlp_dim,
-                renormalize=cfg.renormalize_topk, dispatch=cfg.dispatch,
-                param_dtype=pd, dtype=cfg.jnp_dtype, rngs=rngs,
+                cfg.embed_dim,
+                cfg.num_experts,
+                cfg.top_k,
+                cfg.moe_mlp_dim,
+                renormalize=cfg.renormalize_topk,
+                dispatch=cfg.dispatch,
+                param_dtype=pd,
+                dtype=cfg.jnp_dtype,
+                rngs=rngs,
             )
         else:
             self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, param_dtype=pd, rngs=rngs)
@@ -350,9 +399,7 @@ class Transformer(nnx.Module):
         self.layers = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
         self.norm = RMSNorm(cfg.embed_dim, cfg.rms_eps, param_dtype=pd, rngs=rngs)
         if not cfg.tie_embeddings:
-            self.lm_head = sharding.param(
-                rngs, _fan_in(0, 1), (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"), pd
-            )
+            self.lm_head = sharding.param(rngs, _fan_in(0, 1), (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"), pd)
 
     def __call__(
         self,

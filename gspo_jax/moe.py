@@ -169,14 +169,16 @@ class MoE(nnx.Module):
         self, x_BTD: jax.Array, valid_BT: jax.Array, forced_topk_BTK: jax.Array | None = None
     ) -> tuple[jax.Array, RouterOutput]:
         """Mixes each token's top-k experts; `valid_BT` masks padding out of the aux losses."""
-        logits_BTE = jnp.einsum(
-            "btd,de->bte", x_BTD.astype(jnp.float32), self.router[...].astype(jnp.float32)
-        )
+        logits_BTE = jnp.einsum("btd,de->bte", x_BTD.astype(jnp.float32), self.router[...].astype(jnp.float32))
         topk_BTK, gates_BTK, probs_BTE = route(logits_BTE, self.top_k, self.renormalize, forced_topk_BTK)
         experts = dense_experts if self.dispatch == "dense" else ragged_experts
         y_BTD = experts(
-            x_BTD.astype(self.dtype), topk_BTK, gates_BTK,
-            self.gate_proj[...], self.up_proj[...], self.down_proj[...],
+            x_BTD.astype(self.dtype),
+            topk_BTK,
+            gates_BTK,
+            self.gate_proj[...],
+            self.up_proj[...],
+            self.down_proj[...],
         )
         stats = RouterOutput(
             topk_BTK=topk_BTK,

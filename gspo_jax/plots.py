@@ -34,12 +34,20 @@ FIGURES: tuple[FigureSpec, ...] = (
     FigureSpec("reward", "Reward", ("reward_mean", "eval_accuracy"), "reward"),
     FigureSpec("accuracy", "Accuracy", ("accuracy", "eval_accuracy"), "accuracy"),
     # GSPO clips whole sequences, so its clip fraction runs ~100x GRPO's token clip fraction.
-    FigureSpec("clip_fraction", "Clip fraction",
-               ("clip_frac", "clip_frac_low", "clip_frac_high", "seq_clip_frac"), "fraction",
-               log_when_wide=True),
+    FigureSpec(
+        "clip_fraction",
+        "Clip fraction",
+        ("clip_frac", "clip_frac_low", "clip_frac_high", "seq_clip_frac"),
+        "fraction",
+        log_when_wide=True,
+    ),
     FigureSpec("kl", "KL", ("approx_kl", "kl_ref"), "KL"),
-    FigureSpec("routing_drift", "Expert-routing drift (π_θ vs π_old)",
-               ("drift_slot_change_rate", "drift_router_flip_rate"), "rate"),
+    FigureSpec(
+        "routing_drift",
+        "Expert-routing drift (π_θ vs π_old)",
+        ("drift_slot_change_rate", "drift_router_flip_rate"),
+        "rate",
+    ),
 )
 
 
@@ -72,8 +80,7 @@ def plot_run(workdir: str | os.PathLike, out_dir: str | os.PathLike | None = Non
     return written
 
 
-def plot_comparison(workdirs: Mapping[str, str | os.PathLike], key: str,
-                    out_path: str | os.PathLike) -> Path | None:
+def plot_comparison(workdirs: Mapping[str, str | os.PathLike], key: str, out_path: str | os.PathLike) -> Path | None:
     """Overlays `key` from several runs (`{label: workdir}`) in one PNG; None if no run has it."""
     lines = {label: series(read_metrics(d), key) for label, d in workdirs.items()}
     missing = [label for label, s in lines.items() if not _has_data(s)]
@@ -90,8 +97,7 @@ def _has_data(line: tuple[list, list]) -> bool:
     return any(math.isfinite(v) for v in line[1])
 
 
-def _line_figure(lines: Mapping[str, tuple[list, list]], title: str, ylabel: str,
-                 log_when_wide: bool) -> Figure:
+def _line_figure(lines: Mapping[str, tuple[list, list]], title: str, ylabel: str, log_when_wide: bool) -> Figure:
     fig = Figure(figsize=(6.4, 4.0), layout="constrained")
     ax = fig.subplots()
     for label, (steps, values) in lines.items():

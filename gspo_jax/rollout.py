@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -47,17 +48,33 @@ class RolloutConfig:
         if not (isinstance(self.overlong_cache_len, int) and self.overlong_cache_len >= 0):
             raise ValueError(f"RolloutConfig.overlong_cache_len={self.overlong_cache_len!r}; it must be an int >= 0")
         if self.top_k < 0 or not 0.0 < self.top_p <= 1.0 or self.temperature < 0:
-            raise ValueError("RolloutConfig: need temperature >= 0, top_k >= 0 and 0 < top_p <= 1; got "
-                             f"temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p}")
+            raise ValueError(
+                "RolloutConfig: need temperature >= 0, top_k >= 0 and 0 < top_p <= 1; got "
+                f"temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p}"
+            )
         if self.dynamic_sampling and self.max_rounds < 2:
-            raise ValueError("RolloutConfig.max_rounds must be >= 2 when dynamic_sampling is on "
-                             "(one round can only drop groups, never replace them)")
+            raise ValueError(
+                "RolloutConfig.max_rounds must be >= 2 when dynamic_sampling is on "
+                "(one round can only drop groups, never replace them)"
+            )
 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["tokens", "prompt_mask", "completion_mask", "loss_mask", "old_logp", "ref_logp", "rewards",
-                 "advantages", "group_ids", "lengths", "truncated", "topk"],
+    data_fields=[
+        "tokens",
+        "prompt_mask",
+        "completion_mask",
+        "loss_mask",
+        "old_logp",
+        "ref_logp",
+        "rewards",
+        "advantages",
+        "group_ids",
+        "lengths",
+        "truncated",
+        "topk",
+    ],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
@@ -99,8 +116,10 @@ class Rollout:
 
     def __init__(self, sampler: Sampler, task, tokenizer, cfg: RolloutConfig):
         if sampler.batch_size != cfg.num_groups * cfg.group_size:
-            raise ValueError(f"Rollout: sampler batch {sampler.batch_size} != num_groups×group_size = "
-                             f"{cfg.num_groups}×{cfg.group_size}")
+            raise ValueError(
+                f"Rollout: sampler batch {sampler.batch_size} != num_groups×group_size = "
+                f"{cfg.num_groups}×{cfg.group_size}"
+            )
         self.sampler, self.task, self.tokenizer, self.cfg = sampler, task, tokenizer, cfg
         self.eos_ids = (tokenizer.eos_token_id,)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
@@ -115,13 +134,22 @@ class Rollout:
 
     def decode_completions(self, out_tokens: np.ndarray, lengths: np.ndarray) -> list[str]:
         P = self.sampler.prompt_len
-        return [self.tokenizer.decode(row[P:P + n], skip_special_tokens=True) for row, n in zip(out_tokens, lengths)]
+        return [self.tokenizer.decode(row[P : P + n], skip_special_tokens=True) for row, n in zip(out_tokens, lengths)]
 
     def _round(self, state, examples, key):
         cfg, G = self.cfg, self.cfg.group_size
         tokens, mask = self.encode_prompts([ex.prompt for ex in examples])
-        out = self.sampler(state, np.repeat(tokens, G, 0), np.repeat(mask, G, 0), key, temperature=cfg.temperature,
-                           top_k=cfg.top_k, top_p=cfg.top_p, eos_ids=self.eos_ids, pad_id=self.pad_id)
+        out = self.sampler(
+            state,
+            np.repeat(tokens, G, 0),
+            np.repeat(mask, G, 0),
+            key,
+            temperature=cfg.temperature,
+            top_k=cfg.top_k,
+            top_p=cfg.top_p,
+            eos_ids=self.eos_ids,
+            pad_id=self.pad_id,
+        )
         out = jax.tree.map(np.asarray, out)
         texts = self.decode_completions(out.tokens, out.lengths)
         raw = np.array([self.task.reward(t, examples[i // G]) for i, t in enumerate(texts)], np.float32)
@@ -129,8 +157,12 @@ class Rollout:
         if cfg.overlong_cache_len > 0:
             penalty = adv_lib.overlong_penalty(out.lengths, self.sampler.max_new_tokens, cfg.overlong_cache_len)
             rewards = raw + cfg.overlong_factor * np.asarray(penalty)
-        return dict(out=out, raw=raw, rewards=rewards.astype(np.float32),
-                    informative=np.asarray(adv_lib.informative_groups(rewards, G)))
+        return dict(
+            out=out,
+            raw=raw,
+            rewards=rewards.astype(np.float32),
+            informative=np.asarray(adv_lib.informative_groups(rewards, G)),
+        )
 
     def __call__(self, state, prompt_iter, key) -> tuple[RolloutBatch, dict[str, float]]:
         cfg, G = self.cfg, self.cfg.group_size
@@ -139,8 +171,9 @@ class Rollout:
             rounds.append(self._round(state, prompt_iter.next_batch(cfg.num_groups), jax.random.fold_in(key, r)))
             if not cfg.dynamic_sampling or sum(int(x["informative"].sum()) for x in rounds) >= cfg.num_groups:
                 break
-        picks, weights, shortfall = select_groups([x["informative"] for x in rounds], cfg.num_groups,
-                                                  cfg.dynamic_sampling)
+        picks, weights, shortfall = select_groups(
+            [x["informative"] for x in rounds], cfg.num_groups, cfg.dynamic_sampling
+        )
         rows = [(r, g * G + j) for r, g in picks for j in range(G)]
         take = lambda get: np.stack([get(rounds[r])[i] for r, i in rows])  # noqa: E731
         out_field = lambda name: take(lambda x: getattr(x["out"], name))  # noqa: E731
@@ -151,10 +184,17 @@ class Rollout:
         rewards = take(lambda x: x["rewards"])
         advantages = adv_lib.group_advantages(rewards, G, cfg.advantage_scale, cfg.advantage_eps, valid=weight_B)
         batch = RolloutBatch(
-            tokens=out_field("tokens"), prompt_mask=out_field("prompt_mask"), completion_mask=completion_mask,
-            loss_mask=(completion_mask & keep_B[:, None]).astype(np.float32), old_logp=out_field("logp"),
-            ref_logp=None, rewards=rewards, advantages=np.asarray(advantages), group_ids=np.repeat(np.arange(cfg.num_groups, dtype=np.int32), G),
-            lengths=out_field("lengths"), truncated=truncated,
+            tokens=out_field("tokens"),
+            prompt_mask=out_field("prompt_mask"),
+            completion_mask=completion_mask,
+            loss_mask=(completion_mask & keep_B[:, None]).astype(np.float32),
+            old_logp=out_field("logp"),
+            ref_logp=None,
+            rewards=rewards,
+            advantages=np.asarray(advantages),
+            group_ids=np.repeat(np.arange(cfg.num_groups, dtype=np.int32), G),
+            lengths=out_field("lengths"),
+            truncated=truncated,
             topk=np.stack([rounds[r]["out"].topk[:, i] for r, i in rows], axis=1),
         )
         return batch, self._metrics(rounds, len(picks) - shortfall, shortfall)

@@ -18,8 +18,13 @@ def overlap(old_LBTK: Array, new_LBTK: Array) -> Array:
     return jnp.sum(same, axis=(-2, -1)).astype(jnp.int32)
 
 
-def routing_drift(old_LBTK: Array, new_LBTK: Array, valid_BT: Array,
-                  old_logits_LBTE: Array | None = None, new_logits_LBTE: Array | None = None) -> dict[str, Array]:
+def routing_drift(
+    old_LBTK: Array,
+    new_LBTK: Array,
+    valid_BT: Array,
+    old_logits_LBTE: Array | None = None,
+    new_logits_LBTE: Array | None = None,
+) -> dict[str, Array]:
     """Drift metrics (float32 scalars, plus `flip_rate_per_layer` [L]).
 
     slot_change_rate  1 - Σ|S_old ∩ S_new| / (N·L·k)
@@ -35,8 +40,14 @@ def routing_drift(old_LBTK: Array, new_LBTK: Array, valid_BT: Array,
     n_tok = jnp.maximum(jnp.sum(valid_BT), 1).astype(jnp.float32)
     if L == 0:
         zero = jnp.zeros((), jnp.float32)
-        out = dict(slot_change_rate=zero, router_flip_rate=zero, token_any_flip=zero, flips_per_token=zero,
-                   jaccard=jnp.ones((), jnp.float32), flip_rate_per_layer=jnp.zeros((0,), jnp.float32))
+        out = dict(
+            slot_change_rate=zero,
+            router_flip_rate=zero,
+            token_any_flip=zero,
+            flips_per_token=zero,
+            jaccard=jnp.ones((), jnp.float32),
+            flip_rate_per_layer=jnp.zeros((0,), jnp.float32),
+        )
         if old_logits_LBTE is not None:
             out.update(router_kl=zero, router_tv=zero)
         return out
@@ -63,8 +74,9 @@ def routing_drift(old_LBTK: Array, new_LBTK: Array, valid_BT: Array,
     return out
 
 
-def log_ratio_decomposition(logp_own_BT: Array, logp_replayed_BT: Array, old_logp_BT: Array,
-                            mask_BT: Array) -> dict[str, Array]:
+def log_ratio_decomposition(
+    logp_own_BT: Array, logp_replayed_BT: Array, old_logp_BT: Array, mask_BT: Array
+) -> dict[str, Array]:
     """Splits each token's log-ratio into routing drift and everything else.
 
     log r = [logp_θ(own routing) − logp_θ(π_old's routing replayed)] + [logp_θ(replayed) − old_logp].

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Sequence
+from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
@@ -55,8 +55,8 @@ def left_pad(token_lists: Sequence[Sequence[int]], length: int, pad_id: int = 0)
     for i, toks in enumerate(token_lists):
         if not 0 < len(toks) <= length:
             raise ValueError(f"prompt {i} has {len(toks)} tokens; prompts need 1..{length} (the prompt bucket)")
-        tokens[i, length - len(toks):] = toks
-        mask[i, length - len(toks):] = True
+        tokens[i, length - len(toks) :] = toks
+        mask[i, length - len(toks) :] = True
     return tokens, mask
 
 
@@ -101,8 +101,21 @@ def sample_logits(logits_BV, key, temperature, top_k, top_p, max_top_k: int):
     return tok_B, logp_B
 
 
-def _generate(graphdef, max_new_tokens: int, max_top_k: int, state, cache, prompt_BP, prompt_mask_BP,
-              key, temperature, top_k, top_p, eos_ids, pad_id) -> SampleOutput:
+def _generate(
+    graphdef,
+    max_new_tokens: int,
+    max_top_k: int,
+    state,
+    cache,
+    prompt_BP,
+    prompt_mask_BP,
+    key,
+    temperature,
+    top_k,
+    top_p,
+    eos_ids,
+    pad_id,
+) -> SampleOutput:
     B, P = prompt_BP.shape
     N = max_new_tokens
     model = nnx.merge(graphdef, state)
@@ -114,9 +127,14 @@ def _generate(graphdef, max_new_tokens: int, max_top_k: int, state, cache, promp
     L, _, _, K = aux.topk.shape
 
     carry = dict(
-        i=jnp.zeros((), jnp.int32), cache=aux.cache, logits=logits_BPV[:, -1].astype(jnp.float32), key=key,
-        done=jnp.zeros((B,), bool), tokens=jnp.full((B, N), pad_id, jnp.int32),
-        logp=jnp.zeros((B, N), jnp.float32), mask=jnp.zeros((B, N), bool),
+        i=jnp.zeros((), jnp.int32),
+        cache=aux.cache,
+        logits=logits_BPV[:, -1].astype(jnp.float32),
+        key=key,
+        done=jnp.zeros((B,), bool),
+        tokens=jnp.full((B, N), pad_id, jnp.int32),
+        logp=jnp.zeros((B, N), jnp.float32),
+        mask=jnp.zeros((B, N), bool),
         topk=jnp.zeros((L, B, N, K), jnp.int32),
     )
 
@@ -133,9 +151,14 @@ def _generate(graphdef, max_new_tokens: int, max_top_k: int, state, cache, promp
         logits_B1V, step_aux = model(tok_B[:, None], (n_prompt_B + i)[:, None], cache=c["cache"])
         col = lambda buf, x: jax.lax.dynamic_update_slice_in_dim(buf, x, i, axis=buf.ndim - 1)  # noqa: E731
         return dict(
-            i=i + 1, cache=step_aux.cache, logits=logits_B1V[:, 0].astype(jnp.float32), key=key,
-            done=c["done"] | is_eos_B, tokens=col(c["tokens"], tok_B[:, None]),
-            logp=col(c["logp"], jnp.where(live_B, logp_B, 0.0)[:, None]), mask=col(c["mask"], live_B[:, None]),
+            i=i + 1,
+            cache=step_aux.cache,
+            logits=logits_B1V[:, 0].astype(jnp.float32),
+            key=key,
+            done=c["done"] | is_eos_B,
+            tokens=col(c["tokens"], tok_B[:, None]),
+            logp=col(c["logp"], jnp.where(live_B, logp_B, 0.0)[:, None]),
+            mask=col(c["mask"], live_B[:, None]),
             topk=jax.lax.dynamic_update_slice_in_dim(c["topk"], step_aux.topk, i, axis=2),
         )
 
@@ -157,14 +180,29 @@ class Sampler:
     """Compiled generation for one static shape (batch, prompt bucket, max new tokens).
 
     `sampler(state, prompts, prompt_mask, key, temperature=, top_k=, top_p=, eos_ids=, pad_id=)`
-    -> SampleOutput. The KV cache is allocated once, donated to each call and handed back by it. With a mesh, the batch is sharded over its data axes and the parameters by the
+    -> SampleOutput. The KV cache is allocated once, donated to each call and handed back by it. With
+    a mesh, the batch is sharded over its data axes and the parameters by the
     logical rules of `gspo_jax.sharding`.
     """
 
-    def __init__(self, graphdef, model_cfg: model_lib.ModelConfig, batch_size: int, prompt_len: int,
-                 max_new_tokens: int, *, max_top_k: int = 64, mesh=None, state=None):
-        for name, v in (("batch_size", batch_size), ("prompt_len", prompt_len), ("max_new_tokens", max_new_tokens),
-                        ("max_top_k", max_top_k)):
+    def __init__(
+        self,
+        graphdef,
+        model_cfg: model_lib.ModelConfig,
+        batch_size: int,
+        prompt_len: int,
+        max_new_tokens: int,
+        *,
+        max_top_k: int = 64,
+        mesh=None,
+        state=None,
+    ):
+        for name, v in (
+            ("batch_size", batch_size),
+            ("prompt_len", prompt_len),
+            ("max_new_tokens", max_new_tokens),
+            ("max_top_k", max_top_k),
+        ):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"Sampler.{name}={v!r} is not allowed; it must be an int >= 1")
         self.model_cfg, self.batch_size = model_cfg, batch_size
@@ -183,27 +221,42 @@ class Sampler:
             rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
             self._cache_sharding = sharding_lib.cache_shardings(mesh, self._new_cache())
             topk_sh = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, *b2.spec))
-            out_sh = SampleOutput(tokens=b2, prompt_mask=b2, completion_mask=b2, logp=b2, lengths=b1,
-                                  truncated=b1, topk=topk_sh)
+            out_sh = SampleOutput(
+                tokens=b2, prompt_mask=b2, completion_mask=b2, logp=b2, lengths=b1, truncated=b1, topk=topk_sh
+            )
             self._in_shardings = (state_sh, self._cache_sharding, b2, b2, rep, rep, rep, rep, rep, rep)
-            self._fn = jax.jit(fn, donate_argnums=(1,), in_shardings=self._in_shardings,
-                               out_shardings=(out_sh, self._cache_sharding))
+            self._fn = jax.jit(
+                fn, donate_argnums=(1,), in_shardings=self._in_shardings, out_shardings=(out_sh, self._cache_sharding)
+            )
         self._cache = None  # allocated on first use, then donated and handed back by every call
 
     def _new_cache(self):
         return model_lib.init_cache(self.model_cfg, self.batch_size, self.prompt_len + self.max_new_tokens)
 
-    def __call__(self, state, prompts, prompt_mask, key, *, temperature=1.0, top_k=0, top_p=1.0,
-                 eos_ids: Sequence[int] = (), pad_id: int = 0) -> SampleOutput:
+    def __call__(
+        self,
+        state,
+        prompts,
+        prompt_mask,
+        key,
+        *,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        eos_ids: Sequence[int] = (),
+        pad_id: int = 0,
+    ) -> SampleOutput:
         expected = (self.batch_size, self.prompt_len)
         if tuple(np.shape(prompts)) != expected or tuple(np.shape(prompt_mask)) != expected:
-            raise ValueError(f"Sampler: prompts and prompt_mask must have shape {expected}; got "
-                             f"{np.shape(prompts)} and {np.shape(prompt_mask)}")
+            raise ValueError(
+                f"Sampler: prompts and prompt_mask must have shape {expected}; got "
+                f"{np.shape(prompts)} and {np.shape(prompt_mask)}"
+            )
         eos = np.full((MAX_EOS_IDS,), -1, np.int32)
         eos_ids = list(eos_ids)
         if len(eos_ids) > MAX_EOS_IDS:
             raise ValueError(f"Sampler: at most {MAX_EOS_IDS} eos_ids; got {len(eos_ids)}")
-        eos[:len(eos_ids)] = eos_ids
+        eos[: len(eos_ids)] = eos_ids
         if int(self.max_top_k) < int(top_k):
             raise ValueError(f"Sampler: top_k={top_k} exceeds max_top_k={self.max_top_k} (a static bound)")
         if self._cache is None:
@@ -211,8 +264,18 @@ class Sampler:
             if self._cache_sharding is not None:
                 self._cache = jax.device_put(self._cache, self._cache_sharding)
         cache, self._cache = self._cache, None  # donated: unusable after the call
-        args = (state, cache, jnp.asarray(prompts, jnp.int32), jnp.asarray(prompt_mask, bool), key,
-                jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p), jnp.asarray(eos), jnp.int32(pad_id))
+        args = (
+            state,
+            cache,
+            jnp.asarray(prompts, jnp.int32),
+            jnp.asarray(prompt_mask, bool),
+            key,
+            jnp.float32(temperature),
+            jnp.int32(top_k),
+            jnp.float32(top_p),
+            jnp.asarray(eos),
+            jnp.int32(pad_id),
+        )
         if self._in_shardings is not None:
             # Arrays on a mesh carry it in their type: placing every argument the same way on every
             # call (a fresh key, a restored parameter) is what keeps this at one compile.

@@ -15,14 +15,24 @@ from typing import Any
 import jax
 import numpy as np
 from flax import nnx
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import AxisType, Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 
 # Logical axis names a parameter (or activation) dimension may carry.
 LOGICAL_AXES = (
-    "batch", "embed", "vocab", "heads", "kv_heads", "head_dim", "mlp", "expert",
-    "layers", "norm", "cache_seq",
+    "batch",
+    "embed",
+    "vocab",
+    "heads",
+    "kv_heads",
+    "head_dim",
+    "mlp",
+    "expert",
+    "layers",
+    "norm",
+    "cache_seq",
 )
 
 # The one rules table: logical axis -> mesh axis (or tuple of mesh axes, or None).
@@ -120,7 +130,8 @@ def logical_axes(state) -> Any:
     """The state's tree with each Variable's value replaced by its logical axis names."""
     return jax.tree.map(
         lambda v: v.replace(tuple(v.get_metadata().get("out_sharding") or ())),
-        state, is_leaf=_is_var,
+        state,
+        is_leaf=_is_var,
     )
 
 

@@ -24,11 +24,10 @@ import optax
 from flax import nnx
 
 from gspo_jax import config as config_lib
-from gspo_jax.compiles import CompileCounter
-from gspo_jax import losses
+from gspo_jax import losses, routing
 from gspo_jax import model as model_lib
-from gspo_jax import routing
 from gspo_jax import sharding as sharding_lib
+from gspo_jax.compiles import CompileCounter
 from gspo_jax.rollout import Rollout, RolloutBatch
 from gspo_jax.sampler import Sampler, sequence_logprobs
 from gspo_jax.tasks import load_tokenizer, prompt_iterator
@@ -37,17 +36,21 @@ log = logging.getLogger(__name__)
 P_ = jax.sharding.PartitionSpec
 
 
-
 # ---------------------------------------------------------------------------------------------- pieces
 
 
 def make_optimizer(t: ml_collections.ConfigDict, total_steps: int) -> optax.GradientTransformation:
     """AdamW with linear warmup then cosine decay to end_lr_factor·lr, after global-norm clipping."""
     schedule = optax.warmup_cosine_decay_schedule(
-        0.0, t.learning_rate, max(t.warmup_steps, 1), max(total_steps, t.warmup_steps + 1),
-        end_value=t.learning_rate * t.end_lr_factor)
-    return optax.chain(optax.clip_by_global_norm(t.max_grad_norm),
-                       optax.adamw(schedule, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay))
+        0.0,
+        t.learning_rate,
+        max(t.warmup_steps, 1),
+        max(total_steps, t.warmup_steps + 1),
+        end_value=t.learning_rate * t.end_lr_factor,
+    )
+    return optax.chain(
+        optax.clip_by_global_norm(t.max_grad_norm), optax.adamw(schedule, b1=t.b1, b2=t.b2, weight_decay=t.weight_decay)
+    )
 
 
 def positions_of(prompt_mask, completion_mask):
@@ -58,24 +61,35 @@ def _where_tree(pred, new, old):
     return jax.tree.map(lambda n, o: jnp.where(pred, n, o), new, old)
 
 
-def train_step(graphdef, loss_cfg: losses.LossConfig, tx, temperature: float, replay: bool, microbatches: int,
-               state: dict, batch: dict) -> tuple[dict, dict]:
+def train_step(
+    graphdef,
+    loss_cfg: losses.LossConfig,
+    tx,
+    temperature: float,
+    replay: bool,
+    microbatches: int,
+    state: dict,
+    batch: dict,
+) -> tuple[dict, dict]:
     """One optimizer update on one minibatch, accumulated over `microbatches` with the minibatch's
     loss denominator, so the policy loss and its gradient equal the full minibatch's. (The MoE
     load-balancing and z losses are batch statistics, computed per micro-batch as everywhere.)
     A non-finite loss or gradient leaves the state untouched and is counted in `skipped`."""
     denom = losses.loss_denominator(loss_cfg, batch["loss_mask"])
     split = lambda x: x.reshape(microbatches, x.shape[0] // microbatches, *x.shape[1:])  # noqa: E731
-    micro = {k: (jnp.moveaxis(split(jnp.moveaxis(v, 1, 0)), 1, 2) if k == "topk" else split(v))
-             for k, v in batch.items()}
+    micro = {
+        k: (jnp.moveaxis(split(jnp.moveaxis(v, 1, 0)), 1, 2) if k == "topk" else split(v)) for k, v in batch.items()
+    }
 
     def loss_fn(params, mb):
-        logits, aux = model_lib.apply(graphdef, params, mb["tokens"], mb["positions"],
-                                      forced_topk=mb["topk"] if replay else None)
+        logits, aux = model_lib.apply(
+            graphdef, params, mb["tokens"], mb["positions"], forced_topk=mb["topk"] if replay else None
+        )
         logp = sequence_logprobs(logits, mb["tokens"], temperature)
         ref = mb["ref_logp"] if loss_cfg.kl_coef > 0 else None
-        loss, metrics = losses.policy_loss(loss_cfg, logp, mb["old_logp"], mb["advantages"], mb["loss_mask"], ref,
-                                           denominator=denom)
+        loss, metrics = losses.policy_loss(
+            loss_cfg, logp, mb["old_logp"], mb["advantages"], mb["loss_mask"], ref, denominator=denom
+        )
         metrics.update(lb_loss=aux.lb_loss, z_loss=aux.z_loss)
         return loss + aux.aux_loss / microbatches, metrics
 
@@ -95,8 +109,12 @@ def train_step(graphdef, loss_cfg: losses.LossConfig, tx, temperature: float, re
     ok = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     updates, opt_state = tx.update(grads, state["opt_state"], state["params"])
     params = optax.apply_updates(state["params"], updates)
-    new = dict(step=state["step"] + ok.astype(jnp.int32), params=_where_tree(ok, params, state["params"]),
-               opt_state=_where_tree(ok, opt_state, state["opt_state"]), rng=state["rng"])
+    new = dict(
+        step=state["step"] + ok.astype(jnp.int32),
+        params=_where_tree(ok, params, state["params"]),
+        opt_state=_where_tree(ok, opt_state, state["opt_state"]),
+        rng=state["rng"],
+    )
     metrics.update(total_loss=loss, grad_norm=grad_norm, skipped=(~ok).astype(jnp.float32))
     return new, metrics
 
@@ -147,7 +165,8 @@ class Trainer:
             from gspo_jax import hf
 
             _, self.graphdef, params = hf.load_hf_checkpoint(
-                c.hf_checkpoint, dtype=b.model.param_dtype, dispatch=b.model.dispatch, mesh=self.mesh)
+                c.hf_checkpoint, dtype=b.model.param_dtype, dispatch=b.model.dispatch, mesh=self.mesh
+            )
         else:
             self.graphdef, params = nnx.split(model_lib.Transformer(b.model, rngs=nnx.Rngs(c.seed)))
         self.param_sh = sharding_lib.param_shardings(self.mesh, params)
@@ -157,8 +176,16 @@ class Trainer:
         steps = c.train.num_iterations * c.train.epochs * c.train.minibatches
         self.tx = make_optimizer(c.train, steps)
         self.temperature = float(b.rollout.temperature) or 1.0  # greedy rollouts score at temperature 1
-        self.sampler = Sampler(self.graphdef, b.model, self.batch_size, c.prompt_len, c.max_new_tokens,
-                               max_top_k=64, mesh=self.mesh, state=params)
+        self.sampler = Sampler(
+            self.graphdef,
+            b.model,
+            self.batch_size,
+            c.prompt_len,
+            c.max_new_tokens,
+            max_top_k=64,
+            mesh=self.mesh,
+            state=params,
+        )
         self.rollout = Rollout(self.sampler, b.task, self.tokenizer, b.rollout)
         self._compile(params)
 
@@ -171,20 +198,37 @@ class Trainer:
         self.state_sh = dict(step=rep, params=self.param_sh, opt_state=self.opt_sh, rng=rep)
         bs = lambda nd: sharding_lib.batch_sharding(mesh, nd)  # noqa: E731
         topk_sh = jax.sharding.NamedSharding(mesh, P_(None, *bs(2).spec))
-        self.batch_sh = dict(tokens=bs(2), positions=bs(2), loss_mask=bs(2), old_logp=bs(2), ref_logp=bs(2),
-                             advantages=bs(1), topk=topk_sh)
-        step = functools.partial(train_step, self.graphdef, b.loss, self.tx, self.temperature,
-                                 c.train.routing_replay != "none", c.train.microbatches)
-        self.train_step = jax.jit(step, in_shardings=(self.state_sh, self.batch_sh),
-                                  out_shardings=(self.state_sh, None), donate_argnums=(0,))
+        self.batch_sh = dict(
+            tokens=bs(2),
+            positions=bs(2),
+            loss_mask=bs(2),
+            old_logp=bs(2),
+            ref_logp=bs(2),
+            advantages=bs(1),
+            topk=topk_sh,
+        )
+        step = functools.partial(
+            train_step,
+            self.graphdef,
+            b.loss,
+            self.tx,
+            self.temperature,
+            c.train.routing_replay != "none",
+            c.train.microbatches,
+        )
+        self.train_step = jax.jit(
+            step, in_shardings=(self.state_sh, self.batch_sh), out_shardings=(self.state_sh, None), donate_argnums=(0,)
+        )
         sc = functools.partial(score, self.graphdef, self.temperature)
         self.score = jax.jit(sc, in_shardings=(self.param_sh, bs(2), bs(2)), out_shardings=(bs(2), topk_sh))
-        self.score_replay = jax.jit(sc, in_shardings=(self.param_sh, bs(2), bs(2), topk_sh),
-                                    out_shardings=(bs(2), topk_sh))
+        self.score_replay = jax.jit(
+            sc, in_shardings=(self.param_sh, bs(2), bs(2), topk_sh), out_shardings=(bs(2), topk_sh)
+        )
         self.init_opt = jax.jit(self.tx.init, in_shardings=(self.param_sh,), out_shardings=self.opt_sh)
         self.rep, self.bs = rep, bs
-        self.copy_params = jax.jit(lambda p: jax.tree.map(jnp.copy, p), in_shardings=(self.param_sh,),
-                                   out_shardings=self.param_sh)
+        self.copy_params = jax.jit(
+            lambda p: jax.tree.map(jnp.copy, p), in_shardings=(self.param_sh,), out_shardings=self.param_sh
+        )
 
     def init_state(self, params) -> dict:
         """A fresh train state on the mesh (as train_step's outputs are). It owns a copy of `params`:
@@ -201,8 +245,9 @@ class Trainer:
         t0 = time.perf_counter()
         batch, metrics = self.rollout(state["params"], prompts, jax.random.fold_in(key, 0))
         t_roll = time.perf_counter() - t0
-        tokens, positions = jax.device_put((batch.tokens, positions_of(batch.prompt_mask, batch.completion_mask)),
-                                           self.bs(2))
+        tokens, positions = jax.device_put(
+            (batch.tokens, positions_of(batch.prompt_mask, batch.completion_mask)), self.bs(2)
+        )
         logp_tr, topk_tr = self.score(state["params"], tokens, positions)
         cm = np.asarray(batch.completion_mask)
         diff = np.abs(np.asarray(logp_tr) - batch.old_logp)[cm]
@@ -212,14 +257,21 @@ class Trainer:
         if b.loss.kl_coef > 0:
             ref_logp, _ = self.score(ref_params, tokens, positions)
         topk = {"none": topk_tr, "R2": topk_tr, "R3": jnp.asarray(batch.topk)}[c.train.routing_replay]
-        full = dict(tokens=tokens, positions=positions, loss_mask=jnp.asarray(batch.loss_mask),
-                    old_logp=old_logp, ref_logp=ref_logp, advantages=jnp.asarray(batch.advantages), topk=topk)
+        full = dict(
+            tokens=tokens,
+            positions=positions,
+            loss_mask=jnp.asarray(batch.loss_mask),
+            old_logp=old_logp,
+            ref_logp=ref_logp,
+            advantages=jnp.asarray(batch.advantages),
+            topk=topk,
+        )
         full = jax.device_put(full, self.batch_sh)
         step_metrics = []
         for epoch in range(c.train.epochs):
             perm = np.asarray(jax.random.permutation(jax.random.fold_in(key, 1 + epoch), self.batch_size))
             for m in range(c.train.minibatches):
-                idx = perm[m * self.mb_size:(m + 1) * self.mb_size]
+                idx = perm[m * self.mb_size : (m + 1) * self.mb_size]
                 mb = {k: (v[:, idx] if k == "topk" else v[idx]) for k, v in full.items()}
                 mb = jax.device_put(mb, self.batch_sh)
                 state, sm = self.train_step(state, mb)
@@ -251,8 +303,15 @@ class Trainer:
         for i in range(c.train.eval_batches):
             examples = it.next_batch(self.batch_size)
             tokens, mask = self.rollout.encode_prompts([e.prompt for e in examples])
-            out = self.sampler(params, tokens, mask, jax.random.key(i), temperature=0.0,
-                               eos_ids=self.rollout.eos_ids, pad_id=self.rollout.pad_id)
+            out = self.sampler(
+                params,
+                tokens,
+                mask,
+                jax.random.key(i),
+                temperature=0.0,
+                eos_ids=self.rollout.eos_ids,
+                pad_id=self.rollout.pad_id,
+            )
             texts = self.rollout.decode_completions(np.asarray(out.tokens), np.asarray(out.lengths))
             correct += [b.task.reward(t, e) == 1.0 for t, e in zip(texts, examples)]
         return {"eval_accuracy": float(np.mean(correct))}
@@ -260,9 +319,18 @@ class Trainer:
     # -- supervised warm start on the task's demonstrations, cached
     def warm_start_key(self) -> str:
         c = self.config
-        blob = json.dumps(dict(model=c.model.to_dict(), task=c.task.to_dict(), ws={k: v for k, v in c.warm_start.items()
-                               if k != "cache_dir"}, seed=c.seed, P=c.prompt_len, N=c.max_new_tokens),
-                          sort_keys=True, default=str)
+        blob = json.dumps(
+            dict(
+                model=c.model.to_dict(),
+                task=c.task.to_dict(),
+                ws={k: v for k, v in c.warm_start.items() if k != "cache_dir"},
+                seed=c.seed,
+                P=c.prompt_len,
+                N=c.max_new_tokens,
+            ),
+            sort_keys=True,
+            default=str,
+        )
         return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
     def warm_start(self) -> tuple[Any, dict]:
@@ -288,13 +356,20 @@ class Trainer:
 
     def _run_sft(self, w) -> dict:
         c, b = self.config, self.built
-        tx = optax.adamw(optax.warmup_cosine_decay_schedule(0.0, w.learning_rate, max(w.steps // 10, 1), w.steps,
-                                                            w.learning_rate * 0.1))
+        tx = optax.adamw(
+            optax.warmup_cosine_decay_schedule(
+                0.0, w.learning_rate, max(w.steps // 10, 1), w.steps, w.learning_rate * 0.1
+            )
+        )
         params = self.params0
         opt_sh = sharding_lib.opt_state_shardings(self.mesh, jax.eval_shape(tx.init, params), self.param_sh)
         b2 = self.bs(2)
-        step = jax.jit(functools.partial(sft_step, self.graphdef, tx), donate_argnums=(0, 1),
-                       in_shardings=(self.param_sh, opt_sh, b2, b2, b2), out_shardings=(self.param_sh, opt_sh, self.rep))
+        step = jax.jit(
+            functools.partial(sft_step, self.graphdef, tx),
+            donate_argnums=(0, 1),
+            in_shardings=(self.param_sh, opt_sh, b2, b2, b2),
+            out_shardings=(self.param_sh, opt_sh, self.rep),
+        )
         opt_state = jax.jit(tx.init, in_shardings=(self.param_sh,), out_shardings=opt_sh)(params)
         it = prompt_iterator(b.task, seed=c.seed + 2, split="train")
         N, eos = c.max_new_tokens, self.tokenizer.eos_token_id
@@ -306,14 +381,17 @@ class Trainer:
             cmask = np.zeros((w.batch_size, N), bool)
             for i, e in enumerate(examples):
                 ids = self.tokenizer.encode(b.task.demonstration(e), add_special_tokens=False)[: N - 1] + [eos]
-                comp[i, :len(ids)], cmask[i, :len(ids)] = ids, True
+                comp[i, : len(ids)], cmask[i, : len(ids)] = ids, True
             seq = jnp.asarray(np.concatenate([tokens, comp], 1))
-            pos = positions_of(np.concatenate([pmask, np.zeros_like(cmask)], 1), np.concatenate([np.zeros_like(pmask), cmask], 1))
+            pos = positions_of(
+                np.concatenate([pmask, np.zeros_like(cmask)], 1), np.concatenate([np.zeros_like(pmask), cmask], 1)
+            )
             mask = jnp.asarray(np.concatenate([np.zeros_like(pmask), cmask], 1), jnp.float32)
             params, opt_state, loss = step(params, opt_state, *jax.device_put((seq, pos, mask), b2))
             losses_.append(float(loss))
-        return dict(params=params, sft_loss_first=losses_[0], sft_loss_last=float(np.mean(losses_[-10:])),
-                    sft_steps=w.steps)
+        return dict(
+            params=params, sft_loss_first=losses_[0], sft_loss_last=float(np.mean(losses_[-10:])), sft_steps=w.steps
+        )
 
     # -- the main job
     def run(self, *, max_iterations: int | None = None, progress: bool = True) -> dict[str, Any]:
@@ -331,8 +409,9 @@ class Trainer:
         if is_main:
             (self.workdir / "config.json").write_text(c.to_json_best_effort(indent=2))
         writer = MetricWriter(self.workdir)
-        ckpt = Checkpointer(self.workdir / "checkpoints", max_to_keep=c.train.keep_checkpoints,
-                            save_every=c.train.checkpoint_every)
+        ckpt = Checkpointer(
+            self.workdir / "checkpoints", max_to_keep=c.train.keep_checkpoints, save_every=c.train.checkpoint_every
+        )
         params, ws_info = self.warm_start()
         ref_params = params if b.loss.kl_coef > 0 else None
         state = self.init_state(params)
@@ -369,8 +448,11 @@ class Trainer:
                 ckpt.save(it + 1, state, meta, force=guard.requested or it + 1 == c.train.num_iterations)
                 if bar is not None:
                     bar.update(1)
-                    bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", acc=f"{metrics['accuracy']:.3f}",
-                                    clip=f"{metrics.get('clip_frac', 0):.4f}")
+                    bar.set_postfix(
+                        reward=f"{metrics['reward_mean']:.3f}",
+                        acc=f"{metrics['accuracy']:.3f}",
+                        clip=f"{metrics.get('clip_frac', 0):.4f}",
+                    )
                 if guard.requested:
                     log.warning("preemption requested: checkpoint saved at iteration %d, stopping", it)
                     break

@@ -37,8 +37,7 @@ class MetricWriter:
     Files are opened for appending, so a resumed run continues the same files (see `read_metrics`).
     """
 
-    def __init__(self, workdir: str | os.PathLike, *, tensorboard: bool = True,
-                 enabled: bool | None = None):
+    def __init__(self, workdir: str | os.PathLike, *, tensorboard: bool = True, enabled: bool | None = None):
         self.workdir = Path(workdir)
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self._files: dict[str, Any] = {}
@@ -72,8 +71,7 @@ class MetricWriter:
         """Records a text sample (e.g. a completion) under `name`."""
         if not self.enabled:
             return
-        self._append(SAMPLES_FILE, {"step": int(step), "time": time.time(), "name": name,
-                                    "text": str(text)})
+        self._append(SAMPLES_FILE, {"step": int(step), "time": time.time(), "name": name, "text": str(text)})
         if self._tb is not None:
             self._tb.add_text(name, str(text), int(step))
             self._tb.flush()
@@ -134,21 +132,21 @@ def read_metrics(workdir: str | os.PathLike) -> list[dict]:
 def _to_number(name: str, value: Any) -> int | float:
     arr = np.asarray(value)
     if arr.ndim != 0 or not (np.issubdtype(arr.dtype, np.number) or arr.dtype == bool):
-        raise TypeError(f"metric {name!r} must be a real scalar, got {type(value).__name__} "
-                        f"with shape {arr.shape} and dtype {arr.dtype}")
+        raise TypeError(
+            f"metric {name!r} must be a real scalar, got {type(value).__name__} "
+            f"with shape {arr.shape} and dtype {arr.dtype}"
+        )
     if np.issubdtype(arr.dtype, np.complexfloating):
         raise TypeError(f"metric {name!r} is complex")
     return int(arr) if np.issubdtype(arr.dtype, np.integer) or arr.dtype == bool else float(arr)
 
 
 def _encode_non_finite(record: dict) -> dict:
-    return {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v)
-            for k, v in record.items()}
+    return {k: (str(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
 
 
 def _decode_non_finite(record: dict) -> dict:
-    return {k: (_NON_FINITE[v] if isinstance(v, str) and v in _NON_FINITE else v)
-            for k, v in record.items()}
+    return {k: (_NON_FINITE[v] if isinstance(v, str) and v in _NON_FINITE else v) for k, v in record.items()}
 
 
 def _open_for_append(path: Path):
@@ -158,7 +156,7 @@ def _open_for_append(path: Path):
         with open(path, "rb") as f:
             f.seek(-1, os.SEEK_END)
             needs_newline = f.read(1) != b"\n"
-    f = open(path, "a", encoding="utf-8")
+    f = open(path, "a", encoding="utf-8")  # noqa: SIM115 - the writer owns it until close()
     if needs_newline:
         f.write("\n")
     return f

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import orbax.checkpoint as ocp  # noqa: E402
 
 from gspo_jax import hf  # noqa: E402
-from gspo_jax import model as M  # noqa: E402
+from gspo_jax import model as model_lib  # noqa: E402
 
 STATE_DIR = "state"
 MODEL_CONFIG = "model_config.json"
@@ -34,7 +34,7 @@ MODEL_CONFIG = "model_config.json"
 HF_EXTRA_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
 
 
-def hf_to_jax(src: str, dst: str, *, dtype: str | None = None, overwrite: bool = False) -> M.ModelConfig:
+def hf_to_jax(src: str, dst: str, *, dtype: str | None = None, overwrite: bool = False) -> model_lib.ModelConfig:
     """HF directory -> JAX directory; returns the model config."""
     cfg, _, state = hf.load_hf_checkpoint(src, dtype=dtype)
     source = json.loads(Path(src, "config.json").read_text())
@@ -52,15 +52,20 @@ def hf_to_jax(src: str, dst: str, *, dtype: str | None = None, overwrite: bool =
     return cfg
 
 
-def jax_to_hf(src: str, dst: str, *, model_type: str | None = None, max_shard_bytes: int) -> M.ModelConfig:
+def jax_to_hf(src: str, dst: str, *, model_type: str | None = None, max_shard_bytes: int) -> model_lib.ModelConfig:
     """JAX directory (as written by `hf_to_jax`) -> HF directory; returns the model config."""
     meta = json.loads(Path(src, MODEL_CONFIG).read_text())
-    cfg = M.ModelConfig(**meta["model_config"])
-    _, abstract = M.abstract_model(cfg)
+    cfg = model_lib.ModelConfig(**meta["model_config"])
+    _, abstract = model_lib.abstract_model(cfg)
     state = ocp.StandardCheckpointer().restore(os.path.abspath(os.path.join(src, STATE_DIR)), abstract)
     hf.save_hf_checkpoint(
-        dst, cfg, state, model_type or meta["hf_model_type"], max_shard_bytes=max_shard_bytes,
-        tokenizer_dir=src, extra_config=meta.get("hf_extra"),
+        dst,
+        cfg,
+        state,
+        model_type or meta["hf_model_type"],
+        max_shard_bytes=max_shard_bytes,
+        tokenizer_dir=src,
+        extra_config=meta.get("hf_extra"),
     )
     return cfg
 
@@ -70,7 +75,7 @@ def main(argv=None) -> None:
     parser.add_argument("--in", dest="src", required=True, help="source directory")
     parser.add_argument("--out", dest="dst", required=True, help="destination directory")
     parser.add_argument("--direction", required=True, choices=("hf2jax", "jax2hf"))
-    parser.add_argument("--dtype", choices=tuple(M.DTYPES), help="hf2jax: cast parameters (default: keep)")
+    parser.add_argument("--dtype", choices=tuple(model_lib.DTYPES), help="hf2jax: cast parameters (default: keep)")
     parser.add_argument("--model-type", choices=hf.MODEL_TYPES, help="jax2hf: default: the source's")
     parser.add_argument("--max-shard-bytes", type=int, default=hf.DEFAULT_MAX_SHARD_BYTES, help="jax2hf")
     parser.add_argument("--overwrite", action="store_true", help="hf2jax: replace an existing state/")
@@ -79,7 +84,7 @@ def main(argv=None) -> None:
         cfg = hf_to_jax(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite)
     else:
         cfg = jax_to_hf(args.src, args.dst, model_type=args.model_type, max_shard_bytes=args.max_shard_bytes)
-    total, active = M.count_params(cfg)
+    total, active = model_lib.count_params(cfg)
     print(f"{args.direction}: {args.src} -> {args.dst} ({total:,} parameters, {active:,} active per token)")
 
 

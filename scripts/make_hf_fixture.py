@@ -33,18 +33,40 @@ SEED = 0
 MIN_TOPK_MARGIN = 1e-3  # smallest allowed gap between the k-th and (k+1)-th router probability
 
 QWEN3_MOE_TINY = dict(
-    vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=8, intermediate_size=64, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
-    norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], rope_theta=10_000.0,
+    vocab_size=128,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=64,
+    moe_intermediate_size=16,
+    num_experts=8,
+    num_experts_per_tok=2,
+    norm_topk_prob=True,
+    decoder_sparse_step=1,
+    mlp_only_layers=[],
+    rope_theta=10_000.0,
 )
 # Layer 0 dense, un-renormalised top-k, head_dim != hidden / heads, tied embeddings.
 QWEN3_MOE_TINY_DENSE0 = dict(
-    QWEN3_MOE_TINY, head_dim=16, mlp_only_layers=[0], norm_topk_prob=False, tie_word_embeddings=True,
+    QWEN3_MOE_TINY,
+    head_dim=16,
+    mlp_only_layers=[0],
+    norm_topk_prob=False,
+    tie_word_embeddings=True,
     rope_theta=1_000_000.0,
 )
 MIXTRAL_TINY = dict(
-    vocab_size=128, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-    intermediate_size=16, num_local_experts=8, num_experts_per_tok=2, rope_theta=1_000_000.0,
+    vocab_size=128,
+    hidden_size=32,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=16,
+    num_local_experts=8,
+    num_experts_per_tok=2,
+    rope_theta=1_000_000.0,
 )
 
 
@@ -97,8 +119,10 @@ def build(name: str, config_cls, model_cls, kwargs: dict, out_dir: Path, seed: i
     shutil.rmtree(path, ignore_errors=True)
     model.save_pretrained(path)
     np.savez(path / "expected.npz", **expected)
-    print(f"{name}: seed {seed + attempt}, min top-k margin {expected['min_topk_margin']:.4f}, "
-          f"|logits| max {np.abs(expected['logits']).max():.2f}")
+    print(
+        f"{name}: seed {seed + attempt}, min top-k margin {expected['min_topk_margin']:.4f}, "
+        f"|logits| max {np.abs(expected['logits']).max():.2f}"
+    )
     return model, expected
 
 
@@ -119,8 +143,10 @@ def check_export(fixture: Path, expected: dict, max_shard_bytes: int) -> None:
         got = run(model.eval(), torch.from_numpy(expected["input_ids"]).long(), cfg.top_k)
     diff = np.abs(got["logits"] - expected["logits"]).max()
     same_topk = np.array_equal(got["topk"], expected["topk"])
-    print(f"{fixture.name}: export -> from_pretrained ({len(files)} shard(s)): max |dlogits| {diff:.2e}, "
-          f"top-k identical {same_topk}")
+    print(
+        f"{fixture.name}: export -> from_pretrained ({len(files)} shard(s)): max |dlogits| {diff:.2e}, "
+        f"top-k identical {same_topk}"
+    )
     if diff > 1e-5 or not same_topk:
         raise RuntimeError(f"{fixture.name}: exported checkpoint does not reproduce transformers' outputs")
 

@@ -21,13 +21,21 @@ def _label_dir(text: str) -> tuple[str, str]:
 
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
-                                     formatter_class=argparse.RawDescriptionHelpFormatter,
-                                     epilog="\n".join(__doc__.splitlines()[2:]))
+    parser = argparse.ArgumentParser(
+        description=__doc__.splitlines()[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="\n".join(__doc__.splitlines()[2:]),
+    )
     parser.add_argument("workdir", help="run directory holding metrics.jsonl")
     parser.add_argument("--out-dir", help="where the run's plots go (default WORKDIR/plots)")
-    parser.add_argument("--compare", nargs="+", type=_label_dir, default=[],
-                        metavar="LABEL=DIR", help="other runs to overlay with WORKDIR")
+    parser.add_argument(
+        "--compare",
+        nargs="+",
+        type=_label_dir,
+        default=[],
+        metavar="LABEL=DIR",
+        help="other runs to overlay with WORKDIR",
+    )
     parser.add_argument("--key", default="reward_mean", help="metric to overlay (default %(default)s)")
     parser.add_argument("--out", help="comparison PNG (default WORKDIR/plots/compare_KEY.png)")
     args = parser.parse_args(argv)

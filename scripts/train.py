@@ -42,9 +42,9 @@ def main(argv):
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    from gspo_jax.train import Trainer
-
     from absl import logging as absl_logging
+
+    from gspo_jax.train import Trainer
 
     absl_logging.set_verbosity(absl_logging.INFO)
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save step at INFO

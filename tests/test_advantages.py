@@ -8,16 +8,16 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gspo_jax.advantages import (PRESET_ADVANTAGE_SCALE, group_advantages, informative_groups,
-                                 overlong_penalty)
+from gspo_jax.advantages import PRESET_ADVANTAGE_SCALE, group_advantages, informative_groups, overlong_penalty
 from gspo_jax.losses import PRESETS
 
 HYP = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
 def adv(maybe_jit, rewards, group_size, **kw):
-    return np.asarray(maybe_jit(functools.partial(group_advantages, group_size=group_size, **kw))(
-        jnp.asarray(rewards, jnp.float32)))
+    return np.asarray(
+        maybe_jit(functools.partial(group_advantages, group_size=group_size, **kw))(jnp.asarray(rewards, jnp.float32))
+    )
 
 
 def test_hand_computed_group_advantages(maybe_jit):

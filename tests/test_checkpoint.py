@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -16,7 +17,8 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding
+from jax.sharding import PartitionSpec as P
 
 from gspo_jax.checkpoint import CORRUPT_SUBDIR, Checkpointer, PreemptionGuard
 
@@ -39,8 +41,8 @@ def make_state(seed: int = 0):
 
 def abstract(tree, sharding_fn=None):
     return jax.tree.map(
-        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                       sharding=sharding_fn(x) if sharding_fn else None), tree)
+        lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sharding_fn(x) if sharding_fn else None), tree
+    )
 
 
 def assert_bitwise_equal(a, b):
@@ -72,9 +74,8 @@ def test_round_trip_is_exact(tmp_path):
 
 
 def test_typed_key_is_refused(tmp_path):
-    with Checkpointer(tmp_path) as ckpt:
-        with pytest.raises(TypeError, match="key_data"):
-            ckpt.save(1, {"rng": jax.random.key(0)}, {})
+    with Checkpointer(tmp_path) as ckpt, pytest.raises(TypeError, match="key_data"):
+        ckpt.save(1, {"rng": jax.random.key(0)}, {})
 
 
 def test_restore_with_named_shardings(tmp_path):
@@ -152,7 +153,7 @@ CORRUPTIONS = {
     "garbage_arrays": _garbage_arrays,
     "no_state_item": lambda d: shutil.rmtree(f"{d}/state"),
     "no_commit_marker": lambda d: os.remove(f"{d}/commit_success.txt"),
-    "garbage_meta": lambda d: open(f"{d}/meta/metadata", "w").write("{not json"),
+    "garbage_meta": lambda d: Path(f"{d}/meta/metadata").write_text("{not json"),
     "truncated_files": _truncate_all,
 }
 

@@ -21,7 +21,7 @@ from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from gspo_jax import hf, sharding
-from gspo_jax import model as M
+from gspo_jax import model as model_lib
 from gspo_jax.tasks.tokenizer import TOKENIZER_DIR
 
 FIXTURES = Path(__file__).parent / "fixtures"
@@ -40,7 +40,7 @@ def expected(name):
 def forward(graphdef, state, input_ids):
     ids = jnp.asarray(input_ids, jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(ids.shape[1], dtype=jnp.int32), ids.shape)
-    return M.apply(graphdef, state, ids, positions, return_router_logits=True)
+    return model_lib.apply(graphdef, state, ids, positions, return_router_logits=True)
 
 
 def params(state):
@@ -58,7 +58,7 @@ def read_tensors(directory) -> dict:
     out = {}
     for f in sorted(Path(directory).glob("*.safetensors")):
         with safe_open(f, framework="numpy") as h:
-            out.update({k: h.get_tensor(k) for k in h.keys()})
+            out.update({k: h.get_tensor(k) for k in h})
     return out
 
 
@@ -81,7 +81,13 @@ def test_logits_and_topk_match_transformers(name, dispatch):
 def test_fixture_configs_map():
     cfg = load("qwen3_moe_tiny")[0]
     assert (cfg.vocab_size, cfg.embed_dim, cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (
-        128, 32, 2, 4, 2, 8)
+        128,
+        32,
+        2,
+        4,
+        2,
+        8,
+    )
     assert (cfg.num_experts, cfg.top_k, cfg.moe_mlp_dim, cfg.mlp_dim) == (8, 2, 16, 64)
     assert cfg.qk_norm and cfg.renormalize_topk and cfg.moe_layer_ids == (0, 1)
     dense0 = load("qwen3_moe_tiny_dense0")[0]
@@ -96,30 +102,71 @@ def test_fixture_configs_map():
 # ------------------------------------------------------------------ config mapping
 
 QWEN3_30B_A3B_HUB = {  # config.json of Qwen/Qwen3-30B-A3B (transformers 4.51 names)
-    "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
-    "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
-    "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 6144,
-    "max_position_embeddings": 40960, "max_window_layers": 48, "mlp_only_layers": [], "model_type": "qwen3_moe",
-    "moe_intermediate_size": 768, "norm_topk_prob": True, "num_attention_heads": 32, "num_experts": 128,
-    "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4, "output_router_logits": False,
-    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001,
-    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
-    "use_sliding_window": False, "vocab_size": 151936,
+    "architectures": ["Qwen3MoeForCausalLM"],
+    "attention_bias": False,
+    "attention_dropout": 0.0,
+    "bos_token_id": 151643,
+    "decoder_sparse_step": 1,
+    "eos_token_id": 151645,
+    "head_dim": 128,
+    "hidden_act": "silu",
+    "hidden_size": 2048,
+    "initializer_range": 0.02,
+    "intermediate_size": 6144,
+    "max_position_embeddings": 40960,
+    "max_window_layers": 48,
+    "mlp_only_layers": [],
+    "model_type": "qwen3_moe",
+    "moe_intermediate_size": 768,
+    "norm_topk_prob": True,
+    "num_attention_heads": 32,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "num_hidden_layers": 48,
+    "num_key_value_heads": 4,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-06,
+    "rope_scaling": None,
+    "rope_theta": 1000000.0,
+    "router_aux_loss_coef": 0.001,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
+    "use_sliding_window": False,
+    "vocab_size": 151936,
 }
 MIXTRAL_8X7B_HUB = {  # config.json of mistralai/Mixtral-8x7B-v0.1
-    "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1, "eos_token_id": 2,
-    "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336,
-    "max_position_embeddings": 32768, "model_type": "mixtral", "num_attention_heads": 32,
-    "num_experts_per_tok": 2, "num_hidden_layers": 32, "num_key_value_heads": 8, "num_local_experts": 8,
-    "output_router_logits": False, "rms_norm_eps": 1e-05, "rope_theta": 1e6, "router_aux_loss_coef": 0.02,
-    "sliding_window": None, "tie_word_embeddings": False, "torch_dtype": "bfloat16", "use_cache": True,
+    "architectures": ["MixtralForCausalLM"],
+    "attention_dropout": 0.0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "hidden_act": "silu",
+    "hidden_size": 4096,
+    "initializer_range": 0.02,
+    "intermediate_size": 14336,
+    "max_position_embeddings": 32768,
+    "model_type": "mixtral",
+    "num_attention_heads": 32,
+    "num_experts_per_tok": 2,
+    "num_hidden_layers": 32,
+    "num_key_value_heads": 8,
+    "num_local_experts": 8,
+    "output_router_logits": False,
+    "rms_norm_eps": 1e-05,
+    "rope_theta": 1e6,
+    "router_aux_loss_coef": 0.02,
+    "sliding_window": None,
+    "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16",
+    "use_cache": True,
     "vocab_size": 32000,
 }
 
 
 def test_hub_configs_give_presets():
-    assert hf.config_from_hf(QWEN3_30B_A3B_HUB, dispatch="ragged") == M.get_config("qwen3_30b_a3b")
-    assert hf.config_from_hf(MIXTRAL_8X7B_HUB, dispatch="ragged") == M.get_config("mixtral_8x7b")
+    assert hf.config_from_hf(QWEN3_30B_A3B_HUB, dispatch="ragged") == model_lib.get_config("qwen3_30b_a3b")
+    assert hf.config_from_hf(MIXTRAL_8X7B_HUB, dispatch="ragged") == model_lib.get_config("mixtral_8x7b")
 
 
 def test_transformers5_config_names():
@@ -134,11 +181,22 @@ def test_transformers5_config_names():
 @pytest.mark.parametrize(
     "cfg, model_type",
     [
-        (M.get_config("tiny"), "qwen3_moe"),
-        (M.ModelConfig(num_layers=4, num_experts=4, moe_every=2, dense_layers=(3,), tie_embeddings=True,
-                       renormalize_topk=False, param_dtype="bfloat16", dtype="bfloat16"), "qwen3_moe"),
-        (M.ModelConfig(num_experts=0, mlp_dim=96), "qwen3_moe"),
-        (M.get_config("mixtral_8x7b", dispatch="dense"), "mixtral"),
+        (model_lib.get_config("tiny"), "qwen3_moe"),
+        (
+            model_lib.ModelConfig(
+                num_layers=4,
+                num_experts=4,
+                moe_every=2,
+                dense_layers=(3,),
+                tie_embeddings=True,
+                renormalize_topk=False,
+                param_dtype="bfloat16",
+                dtype="bfloat16",
+            ),
+            "qwen3_moe",
+        ),
+        (model_lib.ModelConfig(num_experts=0, mlp_dim=96), "qwen3_moe"),
+        (model_lib.get_config("mixtral_8x7b", dispatch="dense"), "mixtral"),
     ],
     ids=["tiny", "sparse_step", "all_dense", "mixtral"],
 )
@@ -172,11 +230,11 @@ def test_bad_hf_config_names_field(base, change, field):
 @pytest.mark.parametrize(
     "cfg, model_type, field",
     [
-        (M.get_config("tiny"), "llama", "model_type"),
-        (M.get_config("tiny", qk_norm=False), "qwen3_moe", "qk_norm"),
-        (M.get_config("tiny", qk_norm=False), "mixtral", "dense_layers"),
-        (M.get_config("mixtral_8x7b", qk_norm=True), "mixtral", "qk_norm"),
-        (M.get_config("mixtral_8x7b", renormalize_topk=False), "mixtral", "renormalize_topk"),
+        (model_lib.get_config("tiny"), "llama", "model_type"),
+        (model_lib.get_config("tiny", qk_norm=False), "qwen3_moe", "qk_norm"),
+        (model_lib.get_config("tiny", qk_norm=False), "mixtral", "dense_layers"),
+        (model_lib.get_config("mixtral_8x7b", qk_norm=True), "mixtral", "qk_norm"),
+        (model_lib.get_config("mixtral_8x7b", renormalize_topk=False), "mixtral", "renormalize_topk"),
     ],
 )
 def test_unexpressible_config_names_field(cfg, model_type, field):
@@ -201,13 +259,25 @@ def test_export_reload_bitwise(name, tmp_path):
 
 def test_export_dense_layer_sharded_bf16(tmp_path):
     """A random bf16 model with a dense layer, tied embeddings and moe_every=2, written in several shards."""
-    cfg = M.ModelConfig(
-        vocab_size=64, embed_dim=16, num_layers=4, num_heads=2, num_kv_heads=1, head_dim=8, mlp_dim=24,
-        num_experts=4, top_k=2, moe_mlp_dim=8, moe_every=2, dense_layers=(3,), tie_embeddings=True,
-        param_dtype="bfloat16", dtype="bfloat16",
+    cfg = model_lib.ModelConfig(
+        vocab_size=64,
+        embed_dim=16,
+        num_layers=4,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=8,
+        mlp_dim=24,
+        num_experts=4,
+        top_k=2,
+        moe_mlp_dim=8,
+        moe_every=2,
+        dense_layers=(3,),
+        tie_embeddings=True,
+        param_dtype="bfloat16",
+        dtype="bfloat16",
     )
     rng = np.random.default_rng(3)
-    _, abstract = M.abstract_model(cfg)
+    _, abstract = model_lib.abstract_model(cfg)
     leaves = jax.tree_util.tree_flatten_with_path(abstract, is_leaf=lambda x: isinstance(x, nnx.Variable))[0]
     random = {tuple(k.key for k in path): rng.standard_normal(v.get_value().shape, np.float32) for path, v in leaves}
     _, state = hf.params_to_state(cfg, random)
@@ -215,8 +285,11 @@ def test_export_dense_layer_sharded_bf16(tmp_path):
     assert len(files) > 1 and (tmp_path / hf.SAFETENSORS_INDEX).exists()
     index = json.loads((tmp_path / hf.SAFETENSORS_INDEX).read_text())
     names = set(index["weight_map"])
-    assert {"model.layers.0.mlp.gate_proj.weight", "model.layers.2.mlp.down_proj.weight",
-            "model.layers.3.mlp.up_proj.weight"} <= names  # dense: layers 0, 2 (sparse step), 3 (mlp_only)
+    assert {
+        "model.layers.0.mlp.gate_proj.weight",
+        "model.layers.2.mlp.down_proj.weight",
+        "model.layers.3.mlp.up_proj.weight",
+    } <= names  # dense: layers 0, 2 (sparse step), 3 (mlp_only)
     assert "model.layers.1.mlp.gate.weight" in names and "model.layers.1.mlp.experts.3.down_proj.weight" in names
     assert "lm_head.weight" not in names  # tied
     hf_cfg = json.loads((tmp_path / "config.json").read_text())
@@ -258,8 +331,10 @@ def test_fused_layout_float32(tmp_path):
     tensors = read_tensors(FIXTURES / "qwen3_moe_tiny")
     for i in range(2):
         p = f"model.layers.{i}.mlp.experts"
-        gate, up, down = (np.stack([tensors.pop(f"{p}.{j}.{n}.weight") for j in range(8)])
-                          for n in ("gate_proj", "up_proj", "down_proj"))
+        gate, up, down = (
+            np.stack([tensors.pop(f"{p}.{j}.{n}.weight") for j in range(8)])
+            for n in ("gate_proj", "up_proj", "down_proj")
+        )
         tensors[f"{p}.gate_up_proj"] = np.concatenate([gate, up], axis=1)  # [E, 2M, D]
         tensors[f"{p}.down_proj"] = down  # [E, D, M]
     save_file(tensors, tmp_path / "model.safetensors", metadata={"format": "pt"})
@@ -293,7 +368,9 @@ def test_sharded_index_is_read(tmp_path):
 
 def test_convert_script_roundtrip(tmp_path):
     """scripts/convert_hf.py: HF -> orbax JAX dir -> HF gives back the same tensors and config."""
-    spec = importlib.util.spec_from_file_location("convert_hf", Path(__file__).parent.parent / "scripts" / "convert_hf.py")
+    spec = importlib.util.spec_from_file_location(
+        "convert_hf", Path(__file__).parent.parent / "scripts" / "convert_hf.py"
+    )
     convert = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(convert)
     src = FIXTURES / "mixtral_tiny"
@@ -309,7 +386,7 @@ def test_load_onto_mesh():
     """With a mesh, each parameter lands in its logical-axis sharding, values unchanged."""
     mesh = sharding.make_mesh(data=2, expert=2, tensor=2)
     cfg, _, state = hf.load_hf_checkpoint(FIXTURES / "qwen3_moe_tiny", mesh=mesh)
-    want = sharding.param_shardings(mesh, M.abstract_model(cfg)[1])
+    want = sharding.param_shardings(mesh, model_lib.abstract_model(cfg)[1])
     assert [x.sharding for x in jax.tree.leaves(state)] == jax.tree.leaves(want)
     gate = state["layers"][0]["mlp"]["gate_proj"][...]  # [E=8, D=32, M=16] over expert=2, tensor=2
     assert gate.sharding == want["layers"][0]["mlp"]["gate_proj"].get_value()

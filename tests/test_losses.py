@@ -28,7 +28,7 @@ def make_batch(seed, B=6, T=12, spread=0.3, per_token_adv=False, min_len=1):
     for i in range(B):
         start = rng.integers(0, T // 3)
         length = rng.integers(min_len, T - start + 1)
-        mask[i, start:start + length] = 1
+        mask[i, start : start + length] = 1
     logp = -rng.exponential(1.0, (B, T)).astype(np.float32)
     old = (logp + rng.normal(0, spread, (B, T))).astype(np.float32)
     ref = (logp + rng.normal(0, spread, (B, T))).astype(np.float32)
@@ -128,8 +128,11 @@ def test_gspo_on_length_one_completions_equals_token_clipping(maybe_jit):
     np.testing.assert_allclose(l1, l2, rtol=1e-6)
     assert float(m1["clip_frac"]) == pytest.approx(float(m2["clip_frac"]))
     assert 0 < float(m1["clip_frac"]) < 1
-    np.testing.assert_allclose(grad_logp(gspo, logp, old, adv, mask, None, maybe_jit),
-                               grad_logp(tok, logp, old, adv, mask, None, maybe_jit), rtol=1e-6)
+    np.testing.assert_allclose(
+        grad_logp(gspo, logp, old, adv, mask, None, maybe_jit),
+        grad_logp(tok, logp, old, adv, mask, None, maybe_jit),
+        rtol=1e-6,
+    )
 
 
 # ------------------------------------------------------------------ clipping
@@ -288,8 +291,9 @@ def test_local_denominator_differs_from_global_for_token_mean():
     cfg = PRESETS["dapo"]
     logp, old, adv, mask, ref = make_batch(5, B=4, T=12)
     full, _ = policy_loss(cfg, logp, old, adv, mask)
-    naive = sum(policy_loss(cfg, logp[i:i + 2], old[i:i + 2], adv[i:i + 2], mask[i:i + 2])[0] / 2
-                for i in (0, 2))
+    naive = sum(
+        policy_loss(cfg, logp[i : i + 2], old[i : i + 2], adv[i : i + 2], mask[i : i + 2])[0] / 2 for i in (0, 2)
+    )
     assert abs(float(naive) - float(full)) > 1e-4
 
 
@@ -380,7 +384,7 @@ def test_kl_estimators_match_their_formulas():
     d = jnp.asarray([-2.0, -0.5, 0.0, 0.5, 2.0])
     dn = np.asarray(d, np.float64)
     np.testing.assert_allclose(losses.kl_k1(d), -dn)
-    np.testing.assert_allclose(losses.kl_k2(d), dn ** 2 / 2)
+    np.testing.assert_allclose(losses.kl_k2(d), dn**2 / 2)
     np.testing.assert_allclose(losses.kl_k3(d), np.exp(dn) - dn - 1, rtol=1e-6)
     assert np.all(np.asarray(losses.kl_k3(d)) >= 0)
 
@@ -392,7 +396,7 @@ def test_kl_term_is_coefficient_times_aggregated_estimator(maybe_jit, estimator)
     loss, met = run(maybe_jit, cfg, logp, logp, jnp.zeros_like(adv), mask, ref)
     m = np.asarray(mask) > 0
     d = (np.asarray(ref, np.float64) - np.asarray(logp))[m]
-    k = {"k1": -d, "k2": d ** 2 / 2, "k3": np.exp(d) - d - 1}[estimator]
+    k = {"k1": -d, "k2": d**2 / 2, "k3": np.exp(d) - d - 1}[estimator]
     assert float(loss) == pytest.approx(0.1 * k.mean(), rel=1e-5, abs=1e-8)
     assert float(met["kl_loss"]) == pytest.approx(float(loss))
 
@@ -523,7 +527,9 @@ def test_property_finite_and_minibatch_additive(maybe_jit, batch, name, splits):
 
 
 @HYP
-@given(batch=batches(per_token_adv=True), name=st.sampled_from(["grpo", "dapo", "gspo_token", "cispo", "sapo", "dr_grpo"]))
+@given(
+    batch=batches(per_token_adv=True), name=st.sampled_from(["grpo", "dapo", "gspo_token", "cispo", "sapo", "dr_grpo"])
+)
 def test_property_masked_values_are_ignored(maybe_jit, batch, name):
     cfg = PRESETS[name]
     logp, old, adv, mask, ref = batch
@@ -532,8 +538,9 @@ def test_property_masked_values_are_ignored(maybe_jit, batch, name):
     l1, _ = run(maybe_jit, cfg, logp, old, adv, mask, ref)
     l2, _ = run(maybe_jit, cfg, logp2, old2, adv2, mask, ref2)
     assert float(l1) == float(l2)
-    np.testing.assert_array_equal(grad_logp(cfg, logp, old, adv, mask, ref, maybe_jit),
-                                  grad_logp(cfg, logp2, old2, adv2, mask, ref2, maybe_jit))
+    np.testing.assert_array_equal(
+        grad_logp(cfg, logp, old, adv, mask, ref, maybe_jit), grad_logp(cfg, logp2, old2, adv2, mask, ref2, maybe_jit)
+    )
 
 
 @HYP
@@ -545,9 +552,12 @@ def test_property_gspo_token_equals_gspo(maybe_jit, batch):
     l2, m2 = run(maybe_jit, PRESETS["gspo_token"], logp, old, adv_BT, mask)
     np.testing.assert_allclose(l1, l2, rtol=1e-5, atol=1e-6)
     assert float(m1["clip_frac"]) == pytest.approx(float(m2["clip_frac"]), abs=1e-6)
-    np.testing.assert_allclose(grad_logp(PRESETS["gspo"], logp, old, adv, mask, None, maybe_jit),
-                               grad_logp(PRESETS["gspo_token"], logp, old, adv_BT, mask, None, maybe_jit),
-                               rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(
+        grad_logp(PRESETS["gspo"], logp, old, adv, mask, None, maybe_jit),
+        grad_logp(PRESETS["gspo_token"], logp, old, adv_BT, mask, None, maybe_jit),
+        rtol=1e-4,
+        atol=1e-7,
+    )
 
 
 @HYP

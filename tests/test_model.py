@@ -9,19 +9,19 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gspo_jax import model as M
+from gspo_jax import model as model_lib
 from gspo_jax import moe, sharding
 
 B, T = 2, 8
 
 
 def build(cfg, seed=0):
-    return nnx.split(M.Transformer(cfg, rngs=nnx.Rngs(seed)))
+    return nnx.split(model_lib.Transformer(cfg, rngs=nnx.Rngs(seed)))
 
 
 @pytest.fixture(scope="module")
 def tiny():
-    cfg = M.get_config("tiny")
+    cfg = model_lib.get_config("tiny")
     graphdef, state = build(cfg)
     return cfg, graphdef, state
 
@@ -36,7 +36,7 @@ def arange_positions(b=B, t=T):
 
 @functools.cache
 def _fwd(graphdef, kw_items):
-    return functools.partial(M.apply, graphdef, **dict(kw_items))
+    return functools.partial(model_lib.apply, graphdef, **dict(kw_items))
 
 
 def fwd(graphdef, **kw):
@@ -62,12 +62,12 @@ def set_routers(state, value_fn):
 
 
 def test_config_layer_rule():
-    cfg = M.ModelConfig(num_layers=6, num_experts=4, top_k=2, moe_every=2, dense_layers=(3,))
+    cfg = model_lib.ModelConfig(num_layers=6, num_experts=4, top_k=2, moe_every=2, dense_layers=(3,))
     assert cfg.moe_layer_ids == (1, 5)
     assert cfg.num_moe_layers == 2
-    assert M.ModelConfig(num_layers=3, num_experts=0).moe_layer_ids == ()
-    assert M.get_config("tiny").moe_layer_ids == (1, 2)
-    assert M.get_config("qwen3_30b_a3b").num_moe_layers == 48
+    assert model_lib.ModelConfig(num_layers=3, num_experts=0).moe_layer_ids == ()
+    assert model_lib.get_config("tiny").moe_layer_ids == (1, 2)
+    assert model_lib.get_config("qwen3_30b_a3b").num_moe_layers == 48
 
 
 @pytest.mark.parametrize(
@@ -96,17 +96,17 @@ def test_config_layer_rule():
 )
 def test_bad_config_raises(overrides, field):
     with pytest.raises(ValueError, match=field):
-        M.ModelConfig(**overrides)
+        model_lib.ModelConfig(**overrides)
 
 
 def test_all_moe_config_needs_no_dense_width():
-    cfg = M.ModelConfig(num_experts=4, top_k=2, mlp_dim=0)
+    cfg = model_lib.ModelConfig(num_experts=4, top_k=2, mlp_dim=0)
     assert cfg.num_moe_layers == cfg.num_layers
 
 
 def test_qwen3_30b_a3b_param_count():
-    cfg = M.get_config("qwen3_30b_a3b")
-    total, active = M.count_params(cfg)
+    cfg = model_lib.get_config("qwen3_30b_a3b")
+    total, active = model_lib.count_params(cfg)
     assert total == 30_532_122_624  # what Hugging Face reports for Qwen3-30B-A3B
     # Everything but the experts, plus top_k/num_experts of them.
     per_layer_dense = 2048 * (32 + 4 + 4) * 128 + 32 * 128 * 2048 + 2 * 128 + 2 * 2048 + 2048 * 128
@@ -121,7 +121,7 @@ def test_qwen3_30b_a3b_param_count():
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_shapes_and_dtypes(maybe_jit, dtype):
-    cfg = M.get_config("tiny", param_dtype=dtype, dtype=dtype)
+    cfg = model_lib.get_config("tiny", param_dtype=dtype, dtype=dtype)
     graphdef, state = build(cfg)
     assert all(x.dtype == jnp.dtype(dtype) for x in jax.tree.leaves(state))
     fn = maybe_jit(fwd(graphdef, return_router_logits=True))
@@ -143,7 +143,7 @@ def test_shapes_and_dtypes(maybe_jit, dtype):
 
 
 def test_dense_model_has_empty_topk(maybe_jit):
-    cfg = M.ModelConfig(num_layers=2, num_experts=0, top_k=3)
+    cfg = model_lib.ModelConfig(num_layers=2, num_experts=0, top_k=3)
     graphdef, state = build(cfg)
     logits, aux = maybe_jit(fwd(graphdef, return_router_logits=True))(state, random_tokens(1), arange_positions())
     assert logits.shape == (B, T, cfg.vocab_size)
@@ -153,7 +153,7 @@ def test_dense_model_has_empty_topk(maybe_jit):
 
 
 def test_tied_embeddings(maybe_jit):
-    cfg = M.get_config("tiny", tie_embeddings=True)
+    cfg = model_lib.get_config("tiny", tie_embeddings=True)
     graphdef, state = build(cfg)
     assert "lm_head" not in state
     logits, _ = maybe_jit(fwd(graphdef))(state, random_tokens(2), arange_positions())
@@ -184,7 +184,7 @@ def test_left_padding_matches_unpadded(maybe_jit, tiny):
     for pad_token in (0, 77):
         row1 = jnp.concatenate([jnp.full((1, pad), pad_token, jnp.int32), real], axis=1)
         tokens = jnp.concatenate([jnp.concatenate([real, tail], axis=1), row1])
-        positions = M.positions_from_mask(jnp.stack([jnp.ones(T, bool), jnp.arange(T) >= pad]))
+        positions = model_lib.positions_from_mask(jnp.stack([jnp.ones(T, bool), jnp.arange(T) >= pad]))
         np.testing.assert_array_equal(positions[1], [-1, -1, -1, 0, 1, 2, 3, 4])
         logits, aux = fn(state, tokens, positions)
         assert np.isfinite(np.asarray(logits)).all()
@@ -223,7 +223,7 @@ def test_dense_and_ragged_dispatch_agree(maybe_jit, tiny):
     w = jax.random.normal(jax.random.key(9), (B, T, cfg.vocab_size))
 
     def loss(state, graphdef):
-        logits, aux = M.apply(graphdef, state, tokens, positions)
+        logits, aux = model_lib.apply(graphdef, state, tokens, positions)
         return jnp.sum(logits * w) / logits.size + aux.aux_loss, (logits, aux)
 
     outs = {}
@@ -241,7 +241,7 @@ def test_dense_and_ragged_dispatch_agree(maybe_jit, tiny):
 
 
 def test_bfloat16_dispatch_paths_close(maybe_jit):
-    cfg = M.get_config("tiny", param_dtype="bfloat16", dtype="bfloat16")
+    cfg = model_lib.get_config("tiny", param_dtype="bfloat16", dtype="bfloat16")
     graphdef_d, state = build(cfg)
     graphdef_r, _ = build(dataclasses.replace(cfg, dispatch="ragged"))
     tokens = random_tokens(10)
@@ -261,11 +261,11 @@ def test_prefill_then_decode_matches_full_forward(maybe_jit, tiny, dispatch):
     tokens = random_tokens(11, (B, P + steps))
     # Row 1 is a left-padded prompt (2 pad tokens).
     mask = jnp.ones((B, P + steps), bool).at[1, :2].set(False)
-    positions = M.positions_from_mask(mask)
-    full, aux_full = M.apply(graphdef, state, tokens, positions)
+    positions = model_lib.positions_from_mask(mask)
+    full, aux_full = model_lib.apply(graphdef, state, tokens, positions)
 
     fn = maybe_jit(fwd(graphdef), donate_argnames=("cache",))
-    cache = M.init_cache(cfg, B, S)
+    cache = model_lib.init_cache(cfg, B, S)
     logits, aux = fn(state, tokens[:, :P], positions[:, :P], cache=cache)
     # Padding tokens' own outputs are arbitrary (finite); compare real tokens only.
     real = np.asarray(mask[:, :P])
@@ -286,11 +286,11 @@ def test_prefill_then_decode_matches_full_forward(maybe_jit, tiny, dispatch):
 
 
 def test_cache_pytree_roundtrip():
-    cache = M.init_cache(M.get_config("tiny"), 2, 4)
+    cache = model_lib.init_cache(model_lib.get_config("tiny"), 2, 4)
     leaves, treedef = jax.tree.flatten(cache)
     assert len(leaves) == 4
     again = jax.tree.unflatten(treedef, leaves)
-    assert isinstance(again, M.KVCache) and again.index.dtype == jnp.int32
+    assert isinstance(again, model_lib.KVCache) and again.index.dtype == jnp.int32
     assert (again.positions == -1).all()
 
 
@@ -311,11 +311,11 @@ def test_replaying_own_routing_is_exact(maybe_jit, tiny):
 def test_replay_router_gets_gradient(maybe_jit, tiny):
     _, graphdef, state = tiny
     tokens, positions = random_tokens(13), arange_positions()
-    _, aux = M.apply(graphdef, state, tokens, positions)
+    _, aux = model_lib.apply(graphdef, state, tokens, positions)
     w = jax.random.normal(jax.random.key(14), (B, T, 128))
 
     def loss(state):
-        logits, _ = M.apply(graphdef, state, tokens, positions, forced_topk=aux.topk)
+        logits, _ = model_lib.apply(graphdef, state, tokens, positions, forced_topk=aux.topk)
         return jnp.sum(jax.nn.log_softmax(logits) * w)
 
     grads = maybe_jit(jax.grad(loss))(state)
@@ -337,7 +337,9 @@ def test_forcing_other_experts_changes_output(maybe_jit, tiny):
 def test_forced_topk_shape_checked(tiny):
     _, graphdef, state = tiny
     with pytest.raises(ValueError, match="forced_topk"):
-        M.apply(graphdef, state, random_tokens(0), arange_positions(), forced_topk=jnp.zeros((1, B, T, 2), jnp.int32))
+        model_lib.apply(
+            graphdef, state, random_tokens(0), arange_positions(), forced_topk=jnp.zeros((1, B, T, 2), jnp.int32)
+        )
 
 
 # ------------------------------------------------------------------ MoE pieces
@@ -379,7 +381,7 @@ def test_lb_loss_ignores_padding(maybe_jit):
 def test_rope_depends_on_relative_position(maybe_jit):
     q = jax.random.normal(jax.random.key(19), (1, 1, 1, 16))
     k = jax.random.normal(jax.random.key(20), (1, 1, 1, 16))
-    rope = maybe_jit(functools.partial(M.apply_rope, theta=10_000.0))
+    rope = maybe_jit(functools.partial(model_lib.apply_rope, theta=10_000.0))
 
     def score(m, n):
         return float(jnp.sum(rope(q, jnp.array([[m]])) * rope(k, jnp.array([[n]]))))
@@ -402,7 +404,7 @@ def test_sharded_forward_matches_single_device(maybe_jit, tiny, axes, dispatch):
     cfg, _, state = tiny
     graphdef, _ = build(dataclasses.replace(cfg, dispatch=dispatch))
     tokens, positions = random_tokens(21), arange_positions()
-    expected, aux_e = M.apply(graphdef, state, tokens, positions)
+    expected, aux_e = model_lib.apply(graphdef, state, tokens, positions)
 
     mesh = sharding.make_mesh(**axes)
     shardings = sharding.param_shardings(mesh, state)
@@ -418,12 +420,14 @@ def test_sharded_forward_matches_single_device(maybe_jit, tiny, axes, dispatch):
 
 def test_jit_compiles_once(tiny, compile_counter):
     cfg, graphdef, state = tiny
-    fn = jax.jit(lambda state, tokens, positions: M.apply(graphdef, state, tokens, positions))
+    fn = jax.jit(lambda state, tokens, positions: model_lib.apply(graphdef, state, tokens, positions))
     forced_fn = jax.jit(
-        lambda state, tokens, positions, forced: M.apply(graphdef, state, tokens, positions, forced_topk=forced)
+        lambda state, tokens, positions, forced: model_lib.apply(graphdef, state, tokens, positions, forced_topk=forced)
     )
-    forced = [jax.random.randint(jax.random.key(seed), (cfg.num_moe_layers, B, T, 2), 0, 4) * 2 + jnp.array([0, 1])
-              for seed in range(3)]
+    forced = [
+        jax.random.randint(jax.random.key(seed), (cfg.num_moe_layers, B, T, 2), 0, 4) * 2 + jnp.array([0, 1])
+        for seed in range(3)
+    ]
     tokens = [random_tokens(seed) for seed in range(3)]
     positions = arange_positions()
     fn(state, tokens[0], positions)

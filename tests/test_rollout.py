@@ -110,8 +110,9 @@ def test_shortfall_is_filled_with_zero_weight_groups_that_leave_the_loss_unchang
     for name in ("grpo", "dapo", "gspo"):
         cfg = dataclasses.replace(PRESETS[name], kl_coef=0.0)
         full, m_full = policy_loss(cfg, logp, batch.old_logp, batch.advantages, batch.loss_mask)
-        kept, m_kept = policy_loss(cfg, logp[~filled], batch.old_logp[~filled], batch.advantages[~filled],
-                                   batch.loss_mask[~filled])
+        kept, m_kept = policy_loss(
+            cfg, logp[~filled], batch.old_logp[~filled], batch.advantages[~filled], batch.loss_mask[~filled]
+        )
         np.testing.assert_allclose(full, kept, rtol=1e-6)
         assert float(m_full["denominator"]) == float(m_kept["denominator"])
 

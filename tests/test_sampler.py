@@ -74,9 +74,9 @@ def test_eos_stops_a_row_and_the_rest_are_truncated(setup):
         if len(hits):
             j = hits[0]
             assert out.lengths[b] == j + 1 and not out.truncated[b]
-            np.testing.assert_array_equal(gen[b, :j + 1], ref[b, :j + 1])
-            assert np.all(gen[b, j + 1:] == 0) and np.all(cm[b, :j + 1]) and not np.any(cm[b, j + 1:])
-            assert np.all(np.asarray(out.logp)[b, P + j + 1:] == 0)
+            np.testing.assert_array_equal(gen[b, : j + 1], ref[b, : j + 1])
+            assert np.all(gen[b, j + 1 :] == 0) and np.all(cm[b, : j + 1]) and not np.any(cm[b, j + 1 :])
+            assert np.all(np.asarray(out.logp)[b, P + j + 1 :] == 0)
         else:
             assert out.lengths[b] == N and out.truncated[b] and np.all(cm[b])
             np.testing.assert_array_equal(gen[b], ref[b])
@@ -140,12 +140,14 @@ def draw(maybe_jit, n, **kw):
     return np.bincount(np.asarray(tok), minlength=8) / n, np.asarray(tok), np.asarray(logp)
 
 
-@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, 0, 1.0), (0.5, 0, 1.0), (2.0, 3, 1.0),
-                                                       (1.0, 0, 0.7), (1.0, 4, 0.8)])
+@pytest.mark.parametrize(
+    "temperature, top_k, top_p", [(1.0, 0, 1.0), (0.5, 0, 1.0), (2.0, 3, 1.0), (1.0, 0, 0.7), (1.0, 4, 0.8)]
+)
 def test_sampling_distribution_and_support(maybe_jit, temperature, top_k, top_p):
     n = 40000
-    freq, tok, logp = draw(maybe_jit, n, temperature=jnp.float32(temperature), top_k=jnp.int32(top_k),
-                           top_p=jnp.float32(top_p))
+    freq, tok, logp = draw(
+        maybe_jit, n, temperature=jnp.float32(temperature), top_k=jnp.int32(top_k), top_p=jnp.float32(top_p)
+    )
     probs = np.asarray(jax.nn.softmax(LOGITS / temperature))
     keep = np.ones(8, bool)
     if top_k > 0:

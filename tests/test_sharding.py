@@ -6,16 +6,17 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-from gspo_jax import model as M
+from gspo_jax import model as model_lib
 from gspo_jax import sharding
 
 
 @pytest.fixture(scope="module")
 def abstract():
-    cfg = M.get_config("tiny")
-    graphdef, state = M.abstract_model(cfg)
+    cfg = model_lib.get_config("tiny")
+    graphdef, state = model_lib.abstract_model(cfg)
     return cfg, graphdef, state
 
 
@@ -80,7 +81,7 @@ def test_param_shardings(abstract):
     assert shardings["norm"]["scale"].get_value().spec == P(None)
 
     # Usable as jit in/out shardings for real params.
-    _, params = nnx.split(M.Transformer(M.get_config("tiny"), rngs=nnx.Rngs(0)))
+    _, params = nnx.split(model_lib.Transformer(model_lib.get_config("tiny"), rngs=nnx.Rngs(0)))
     placed = jax.jit(lambda s: jax.tree.map(lambda x: x * 2, s), in_shardings=(shardings,), out_shardings=shardings)(
         params
     )
@@ -124,11 +125,11 @@ def test_opt_state_mismatched_rank_is_replicated():
 def test_batch_and_cache_shardings():
     mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
     assert sharding.batch_sharding(mesh, 2).spec == P(("data", "fsdp"), None)
-    cache = jax.eval_shape(lambda: M.init_cache(M.get_config("tiny"), 4, 16))
+    cache = jax.eval_shape(lambda: model_lib.init_cache(model_lib.get_config("tiny"), 4, 16))
     cs = sharding.cache_shardings(mesh, cache)
-    assert isinstance(cs, M.KVCache)
+    assert isinstance(cs, model_lib.KVCache)
     assert cs.k.spec == P(None, ("data", "fsdp"), None, "tensor", None)
     assert cs.positions.spec == P(("data", "fsdp"), None)
     assert cs.index.spec == P()
-    placed = jax.device_put(M.init_cache(M.get_config("tiny"), 4, 16), cs)
+    placed = jax.device_put(model_lib.init_cache(model_lib.get_config("tiny"), 4, 16), cs)
     assert placed.k.sharding.spec == cs.k.spec

@@ -425,9 +425,7 @@ def test_dataset_plain_fallback():
 
 def test_math_verify_off_main_thread_falls_back():
     results = []
-    thread = threading.Thread(
-        target=lambda: results.append((answers_match("42.0", "42"), answers_match("41", "42")))
-    )
+    thread = threading.Thread(target=lambda: results.append((answers_match("42.0", "42"), answers_match("41", "42"))))
     thread.start()
     thread.join()
     assert results == [(True, False)]
@@ -453,9 +451,7 @@ def test_dataset_custom_file(tmp_path):
     path = tmp_path / "qa.jsonl"
     rows = [{"q": "What is two plus two?", "a": "4"}, {"q": "Half of 9?", "a": "It is 9/2.\n#### 4.5"}]
     path.write_text("\n".join(json.dumps(r) for r in rows) + "\n\n")
-    task = make_task(
-        "gsm8k", path=str(path), question_key="q", answer_key="a", prompt_template="Q: {question}\nA:"
-    )
+    task = make_task("gsm8k", path=str(path), question_key="q", answer_key="a", prompt_template="Q: {question}\nA:")
     first, second = task.example(0), task.example(1)
     assert first.prompt == "Q: What is two plus two?\nA:" and first.answer == "4"
     assert task.demonstration(first) == "#### 4" and task.reward("#### 4", first) == 1.0
@@ -491,9 +487,7 @@ def test_iterator_determinism_and_resume(name):
     k, m = 13, 29  # crosses an epoch boundary of the 20-record fixture
     reference = prompt_iterator(task, seed=5).next_batch(k + m)
     assert prompt_iterator(task, seed=5).next_batch(k + m) == reference
-    assert [e.prompt for e in prompt_iterator(task, seed=6).next_batch(k + m)] != [
-        e.prompt for e in reference
-    ]
+    assert [e.prompt for e in prompt_iterator(task, seed=6).next_batch(k + m)] != [e.prompt for e in reference]
 
     it = prompt_iterator(task, seed=5)
     assert it.next_batch(k) == reference[:k]

@@ -34,14 +34,20 @@ def minibatch(tr: Trainer, seed=0):
     pmask = np.zeros((B, L), bool)
     cmask = np.zeros((B, L), bool)
     for i in range(B):
-        pmask[i, P - rng.integers(3, P):P] = True
-        cmask[i, P:P + rng.integers(1, L - P + 1)] = True
+        pmask[i, P - rng.integers(3, P) : P] = True
+        cmask[i, P : P + rng.integers(1, L - P + 1)] = True
     positions = jnp.where(jnp.asarray(pmask | cmask), jnp.cumsum(pmask | cmask, 1) - 1, -1).astype(jnp.int32)
     logp, topk = tr.score(tr.params0, *jax.device_put((jnp.asarray(tokens), positions), tr.bs(2)))
     old = np.asarray(logp) + rng.normal(0, 0.02, (B, L)).astype(np.float32) * cmask
-    return dict(tokens=tokens, positions=np.asarray(positions), loss_mask=cmask.astype(np.float32),
-                old_logp=old.astype(np.float32), ref_logp=np.asarray(logp) - 0.01,
-                advantages=rng.normal(0, 1, B).astype(np.float32), topk=np.asarray(topk))
+    return dict(
+        tokens=tokens,
+        positions=np.asarray(positions),
+        loss_mask=cmask.astype(np.float32),
+        old_logp=old.astype(np.float32),
+        ref_logp=np.asarray(logp) - 0.01,
+        advantages=rng.normal(0, 1, B).astype(np.float32),
+        topk=np.asarray(topk),
+    )
 
 
 def step(tr: Trainer, batch):
@@ -136,17 +142,21 @@ def test_tiny_end_to_end_compiles_once_checkpoints_and_resumes_bitwise(tmp_path,
 def run_cli(*args, cwd=ROOT):
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
-    return subprocess.run([sys.executable, "scripts/train.py", *args], cwd=cwd, env=env, capture_output=True,
-                          text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "scripts/train.py", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
 
 
-@pytest.mark.parametrize("override, key", [
-    ("--config.loss.eps_low=-1", "eps_low"),
-    ("--config.train.routing_replay=R4", "routing_replay"),
-    ("--config.train.no_such_key=1", "no_such_key"),
-    ("--config.rollout.group_size=x", "group_size"),
-    ("--config.model.top_k=99", "top_k"),
-])
+@pytest.mark.parametrize(
+    "override, key",
+    [
+        ("--config.loss.eps_low=-1", "eps_low"),
+        ("--config.train.routing_replay=R4", "routing_replay"),
+        ("--config.train.no_such_key=1", "no_such_key"),
+        ("--config.rollout.group_size=x", "group_size"),
+        ("--config.model.top_k=99", "top_k"),
+    ],
+)
 def test_cli_rejects_bad_overrides_in_one_line_without_touching_the_workdir(tmp_path, override, key):
     work = tmp_path / "work"
     work.mkdir()
@@ -167,7 +177,9 @@ def test_every_config_builds(name, size):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     built = build(mod.get_config(size))
-    assert built.loss.ratio == {"gspo": "sequence", "gspo_token": "sequence_token", "gmpo": "geometric"}.get(name, "token")
+    assert built.loss.ratio == {"gspo": "sequence", "gspo_token": "sequence_token", "gmpo": "geometric"}.get(
+        name, "token"
+    )
 
 
 @pytest.mark.slow

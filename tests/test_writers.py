@@ -18,15 +18,30 @@ REPO = Path(__file__).resolve().parent.parent
 
 def test_jsonl_values_and_types(tmp_path):
     with MetricWriter(tmp_path) as w:
-        w.write(1, {"py": 0.5, "np32": np.float32(0.25), "np_int": np.int64(3),
-                    "jax": jnp.float32(1.5), "jax_int": jnp.int32(7), "flag": True})
+        w.write(
+            1,
+            {
+                "py": 0.5,
+                "np32": np.float32(0.25),
+                "np_int": np.int64(3),
+                "jax": jnp.float32(1.5),
+                "jax_int": jnp.int32(7),
+                "flag": True,
+            },
+        )
         w.write(2, {"nan": float("nan"), "inf": np.float32(np.inf), "ninf": jnp.float32(-jnp.inf)})
     lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2
     first, second = (json.loads(line) for line in lines)  # strict JSON: no bare NaN/Infinity
     assert first["step"] == 1 and isinstance(first["time"], float)
     assert {k: first[k] for k in ("py", "np32", "np_int", "jax", "jax_int", "flag")} == {
-        "py": 0.5, "np32": 0.25, "np_int": 3, "jax": 1.5, "jax_int": 7, "flag": 1}
+        "py": 0.5,
+        "np32": 0.25,
+        "np_int": 3,
+        "jax": 1.5,
+        "jax_int": 7,
+        "flag": 1,
+    }
     assert (second["nan"], second["inf"], second["ninf"]) == ("nan", "inf", "-inf")
     for line in lines:
         json.loads(line, parse_constant=lambda c: pytest.fail(f"non-standard JSON constant {c}"))
@@ -87,16 +102,27 @@ def test_read_metrics_missing_file(tmp_path):
 def _fake_run(workdir, clip_scale=1.0, steps=20):
     with MetricWriter(workdir, tensorboard=False) as w:
         for s in range(steps):
-            w.write(s, {"reward_mean": s / steps, "accuracy": s / (2 * steps),
-                        "clip_frac": clip_scale * 1e-4 * (1 + s), "seq_clip_frac": 0.2,
-                        "approx_kl": 1e-3 * s})
+            w.write(
+                s,
+                {
+                    "reward_mean": s / steps,
+                    "accuracy": s / (2 * steps),
+                    "clip_frac": clip_scale * 1e-4 * (1 + s),
+                    "seq_clip_frac": 0.2,
+                    "approx_kl": 1e-3 * s,
+                },
+            )
 
 
 def test_plot_run_writes_pngs_and_skips_missing(tmp_path):
     _fake_run(tmp_path)
     paths = plots.plot_run(tmp_path)
-    assert sorted(p.name for p in paths) == ["accuracy.png", "clip_fraction.png", "kl.png",
-                                             "reward.png"]  # no drift keys -> no drift plot
+    assert sorted(p.name for p in paths) == [
+        "accuracy.png",
+        "clip_fraction.png",
+        "kl.png",
+        "reward.png",
+    ]  # no drift keys -> no drift plot
     for p in paths:
         assert p.parent == tmp_path / "plots"
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 1000
@@ -110,8 +136,9 @@ def test_plot_run_no_data(tmp_path):
 def test_plot_comparison(tmp_path):
     for name, scale in (("grpo", 1.0), ("gspo", 100.0)):
         _fake_run(tmp_path / name, scale)
-    out = plots.plot_comparison({"grpo": tmp_path / "grpo", "gspo": tmp_path / "gspo"},
-                                "reward_mean", tmp_path / "cmp" / "reward.png")
+    out = plots.plot_comparison(
+        {"grpo": tmp_path / "grpo", "gspo": tmp_path / "gspo"}, "reward_mean", tmp_path / "cmp" / "reward.png"
+    )
     assert out.exists() and out.stat().st_size > 1000
     assert plots.plot_comparison({"grpo": tmp_path / "grpo"}, "nope", tmp_path / "x.png") is None
     assert not (tmp_path / "x.png").exists()
@@ -122,9 +149,21 @@ def test_plot_cli(tmp_path):
     _fake_run(tmp_path / "grpo")
     out = tmp_path / "readme.png"
     result = subprocess.run(
-        [sys.executable, str(REPO / "scripts" / "plot.py"), str(tmp_path / "gspo"),
-         "--compare", f"grpo={tmp_path / 'grpo'}", "--key", "reward_mean", "--out", str(out)],
-        capture_output=True, text=True, timeout=120)
+        [
+            sys.executable,
+            str(REPO / "scripts" / "plot.py"),
+            str(tmp_path / "gspo"),
+            "--compare",
+            f"grpo={tmp_path / 'grpo'}",
+            "--key",
+            "reward_mean",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert out.stat().st_size > 1000
     assert (tmp_path / "gspo" / "plots" / "reward.png").exists()

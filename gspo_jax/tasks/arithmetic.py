@@ -32,15 +32,8 @@ class ArithmeticTask(VerifiableTask):
         object.__setattr__(self, "digits", check_int("digits", self.digits, 1, 18))
         object.__setattr__(self, "operands", check_int("operands", self.operands, 2, 8))
         ops = self.ops
-        if (
-            not isinstance(ops, str)
-            or not ops
-            or any(op not in ALLOWED_OPS for op in ops)
-            or len(set(ops)) != len(ops)
-        ):
-            raise ValueError(
-                f"ops must be a non-empty string of distinct operators from {ALLOWED_OPS!r}, got {ops!r}"
-            )
+        if not isinstance(ops, str) or not ops or any(op not in ALLOWED_OPS for op in ops) or len(set(ops)) != len(ops):
+            raise ValueError(f"ops must be a non-empty string of distinct operators from {ALLOWED_OPS!r}, got {ops!r}")
 
     def sample(self, rng: np.random.Generator) -> Example:
         low = 0 if self.digits == 1 else 10 ** (self.digits - 1)

@@ -50,9 +50,7 @@ def _better(new: str, old: str | None) -> bool:
     return old is None or (len(new), new) < (len(old), old)
 
 
-def solutions(
-    numbers: tuple[int, ...], allow_division: bool = False, use_all: bool = False
-) -> dict[int, str]:
+def solutions(numbers: tuple[int, ...], allow_division: bool = False, use_all: bool = False) -> dict[int, str]:
     """Every positive integer reachable from `numbers` (each used at most once, or exactly once if
     `use_all`), mapped to its shortest expression (ties broken alphabetically, so deterministic).
 
@@ -107,9 +105,7 @@ class CountdownTask(VerifiableTask):
         object.__setattr__(self, "count", check_int("count", self.count, 2, 5))
         object.__setattr__(self, "max_number", check_int("max_number", self.max_number, 2, 1000))
         object.__setattr__(self, "target_min", check_int("target_min", self.target_min, 1))
-        object.__setattr__(
-            self, "target_max", check_int("target_max", self.target_max, self.target_min, 10**6)
-        )
+        object.__setattr__(self, "target_max", check_int("target_max", self.target_max, self.target_min, 10**6))
         for name in ("allow_division", "use_all"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
@@ -128,9 +124,7 @@ class CountdownTask(VerifiableTask):
                 target = targets[int(rng.integers(len(targets)))]
                 break
         else:
-            raise RuntimeError(
-                f"no solvable countdown instance in {_MAX_ATTEMPTS} draws; widen target_min..target_max"
-            )
+            raise RuntimeError(f"no solvable countdown instance in {_MAX_ATTEMPTS} draws; widen target_min..target_max")
         prompt = f"Make {target} from {' '.join(map(str, numbers))} with {' '.join(self.ops)}."
         if self.use_all:
             prompt += " Use all."
