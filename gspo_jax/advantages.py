@@ -1,7 +1,7 @@
 """Group-relative advantages and DAPO's reward-side tricks (dynamic-sampling filter, overlong shaping).
 
-Rewards come as a flat [B] vector of B = num_groups × group_size completions, the G completions of a
-prompt contiguous. The std used for scaling is the *sample* std (ddof = 1, as torch.std in the TRL and
+Rewards come as a flat [B] vector of B = M·G completions (M prompts, G samples each), the G
+completions of a prompt contiguous. The std used for scaling is the *sample* std (ddof = 1, as torch.std in the TRL and
 verl GRPO implementations); a group of size 1 has no spread and gets advantage 0.
 """
 
@@ -10,26 +10,15 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from gspo_jax.validation import check_choice, check_int
+
 Array = jax.Array
 
-SCALES = ("group", "batch", "none")
-
-# How each loss preset scales its advantages (Dr.GRPO drops the std division).
-PRESET_ADVANTAGE_SCALE = {
-    "grpo": "group",
-    "dapo": "group",
-    "gspo": "group",
-    "gspo_token": "group",
-    "dr_grpo": "none",
-    "gmpo": "group",
-    "cispo": "group",
-    "sapo": "group",
-}
+SCALES = ("group", "batch", "none")  # which std divides (Dr.GRPO: none); `algorithms` picks per algorithm
 
 
 def _check_groups(rewards: Array, group_size: int) -> int:
-    if not isinstance(group_size, int) or isinstance(group_size, bool) or group_size < 1:
-        raise ValueError(f"group_size={group_size!r} is not allowed; it must be an int >= 1")
+    check_int("advantages", "group_size", group_size, low=1)
     if rewards.ndim != 1 or rewards.shape[0] % group_size:
         raise ValueError(
             f"rewards must be a flat [B] vector with B a multiple of group_size={group_size}; got shape {rewards.shape}"
@@ -65,30 +54,29 @@ def group_advantages(
     valid: optional [B] bool; completions of invalid (fill) groups get advantage 0 and are left out
     of the batch std.
     """
-    if scale not in SCALES:
-        raise ValueError(f"scale={scale!r} is not allowed; choose one of {SCALES}")
+    check_choice("group_advantages", "scale", scale, SCALES)
     rewards = jnp.asarray(rewards, jnp.float32)
     num_groups = _check_groups(rewards, group_size)
-    r_GN = rewards.reshape(num_groups, group_size)
-    constant_G1 = jnp.max(r_GN, axis=1, keepdims=True) == jnp.min(r_GN, axis=1, keepdims=True)
-    centered_GN = jnp.where(constant_G1, 0.0, r_GN - jnp.mean(r_GN, axis=1, keepdims=True))
-    valid_GN = jnp.ones_like(r_GN, bool) if valid is None else jnp.asarray(valid, bool).reshape(r_GN.shape)
+    r_MG = rewards.reshape(num_groups, group_size)
+    constant_M1 = jnp.max(r_MG, axis=1, keepdims=True) == jnp.min(r_MG, axis=1, keepdims=True)
+    centered_MG = jnp.where(constant_M1, 0.0, r_MG - jnp.mean(r_MG, axis=1, keepdims=True))
+    valid_MG = jnp.ones_like(r_MG, bool) if valid is None else jnp.asarray(valid, bool).reshape(r_MG.shape)
     if scale == "group":
-        centered_GN = _safe_div(centered_GN, _sample_std(r_GN, axis=1, keepdims=True) + eps)
+        centered_MG = _safe_div(centered_MG, _sample_std(r_MG, axis=1, keepdims=True) + eps)
     elif scale == "batch":
-        n = jnp.sum(valid_GN)
-        mean = jnp.sum(jnp.where(valid_GN, r_GN, 0.0)) / jnp.maximum(n, 1)
-        var = jnp.sum(jnp.where(valid_GN, jnp.square(r_GN - mean), 0.0)) / jnp.maximum(n - 1, 1)
-        centered_GN = _safe_div(centered_GN, jnp.sqrt(var) + eps)
-    return jnp.where(valid_GN, centered_GN, 0.0).reshape(-1)
+        n = jnp.sum(valid_MG)
+        mean = jnp.sum(jnp.where(valid_MG, r_MG, 0.0)) / jnp.maximum(n, 1)
+        var = jnp.sum(jnp.where(valid_MG, jnp.square(r_MG - mean), 0.0)) / jnp.maximum(n - 1, 1)
+        centered_MG = _safe_div(centered_MG, jnp.sqrt(var) + eps)
+    return jnp.where(valid_MG, centered_MG, 0.0).reshape(-1)
 
 
 def informative_groups(rewards: Array, group_size: int) -> Array:
     """[num_groups] bool: True where the group's rewards are not all equal (DAPO dynamic sampling)."""
     rewards = jnp.asarray(rewards)
     num_groups = _check_groups(rewards, group_size)
-    r_GN = rewards.reshape(num_groups, group_size)
-    return jnp.max(r_GN, axis=1) != jnp.min(r_GN, axis=1)
+    r_MG = rewards.reshape(num_groups, group_size)
+    return jnp.max(r_MG, axis=1) != jnp.min(r_MG, axis=1)
 
 
 def overlong_penalty(lengths: Array, max_len: int, cache_len: int) -> Array:

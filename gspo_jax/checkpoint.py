@@ -35,6 +35,7 @@ from typing import Any
 import jax
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.experimental import multihost_utils
 
 log = logging.getLogger(__name__)
 
@@ -205,8 +206,6 @@ class Checkpointer:
                         "Could not move step %d aside (%s); later saves of steps <= %d will be refused.", step, e, step
                     )
         if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
             multihost_utils.sync_global_devices("gspo_jax.checkpoint.quarantine")
         self._manager.reload()
 

@@ -1,8 +1,10 @@
-"""The experiment config: one `ml_collections.ConfigDict` shared by `configs/*.py`, and `build()`, which
-turns it into the typed, validated pieces before any work starts.
+"""The experiment config: one `ml_collections.ConfigDict` for `configs/<algorithm>.py`, and `build()`,
+which turns it into the typed, validated pieces before any work starts.
 
-`configs/<algorithm>.py:get_config(arg)` calls `base_config(algorithm, size=arg)`; `arg` picks the size:
-`tiny` (tests), `default` (learns in minutes on 2 CPU cores) or `qwen3_30b_a3b` (the TPU shape).
+`base_config(algorithm, size)` lays out every key: the model, task and lengths of a size, the rollout,
+train and warm-start settings, the mesh; then the algorithm (`gspo_jax/algorithms.py`) fills in its
+loss, advantage scaling and rollout tricks. Sizes: `tiny` (tests), `default` (learns in minutes on 2
+CPU cores) or `qwen3_30b_a3b` (the TPU shape).
 """
 
 from __future__ import annotations
@@ -12,11 +14,12 @@ from typing import Any
 
 import ml_collections
 
-from gspo_jax import losses
+from gspo_jax import algorithms, hf, losses
 from gspo_jax import model as model_lib
-from gspo_jax.advantages import PRESET_ADVANTAGE_SCALE
+from gspo_jax.optimizer import OptimizerConfig
 from gspo_jax.rollout import RolloutConfig
 from gspo_jax.tasks import make_task
+from gspo_jax.validation import ConfigError, check, check_choice, check_int
 
 SIZES = ("tiny", "default", "qwen3_30b_a3b")
 OLD_LOGP_SOURCES = ("sampler", "trainer")
@@ -44,24 +47,18 @@ def _dataclass_dict(dc) -> dict[str, Any]:
 
 
 def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigDict:
-    """The full config for `algorithm` (a `losses.PRESETS` name) at `size`."""
-    if algorithm not in losses.PRESETS:
-        raise ValueError(f"algorithm={algorithm!r} is not allowed; choose one of {tuple(losses.PRESETS)}")
-    if size not in SIZES:
-        raise ValueError(f"config arg (size) {size!r} is not allowed; choose one of {SIZES}")
+    """The full config of `algorithm` (an `algorithms.ALGORITHMS` name) at `size`."""
+    alg = algorithms.get(algorithm)
+    check_choice("config", "size", size, SIZES)
     c = ml_collections.ConfigDict()
-    c.algorithm = algorithm
+    c.algorithm = alg.name
     c.seed = 0
 
-    if size == "qwen3_30b_a3b":
-        c.model = _dataclass_dict(model_lib.get_config("qwen3_30b_a3b"))
-    elif size == "tiny":
-        c.model = _dataclass_dict(model_lib.get_config("tiny"))
-    else:
+    if size == "default":
         c.model = _dataclass_dict(model_lib.ModelConfig(**_DEFAULT_MODEL))
+    else:
+        c.model = _dataclass_dict(model_lib.get_config(size))
     c.model.dense_layers = tuple(c.model.dense_layers)
-
-    c.loss = _dataclass_dict(losses.PRESETS[algorithm])
 
     # Sums of three one-digit numbers: the warm start solves ~17% of held-out prompts, which leaves
     # RL both headroom and informative groups (see the README's results).
@@ -69,20 +66,14 @@ def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigD
     c.prompt_len = 24  # the prompt bucket (BOS + prompt), tokens
     c.max_new_tokens = 12
 
-    c.rollout = _dataclass_dict(
-        RolloutConfig(num_groups=8, group_size=8, advantage_scale=PRESET_ADVANTAGE_SCALE[algorithm])
-    )
-    if algorithm == "dapo":
-        c.rollout.update(
-            dynamic_sampling=True, max_rounds=3, overlong_filter=False, overlong_cache_len=4, overlong_factor=1.0
-        )
-
+    c.rollout = _dataclass_dict(RolloutConfig(num_groups=8, group_size=8))
     c.train = ml_collections.ConfigDict(
         dict(
             num_iterations=150,
             epochs=1,
             minibatches=2,
             microbatches=1,
+            # optimizer (`gspo_jax.optimizer.OptimizerConfig`): AdamW, warmup then cosine decay
             learning_rate=1e-4,
             warmup_steps=5,
             end_lr_factor=0.1,
@@ -99,7 +90,21 @@ def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigD
             keep_checkpoints=3,
         )
     )
-    c.warm_start = ml_collections.ConfigDict(dict(steps=160, batch_size=64, learning_rate=3e-3, cache_dir=""))
+    c.warm_start = ml_collections.ConfigDict(
+        dict(
+            steps=160,
+            batch_size=64,
+            # optimizer: AdamW (optax's defaults), no clipping
+            learning_rate=3e-3,
+            warmup_steps=16,
+            end_lr_factor=0.1,
+            weight_decay=1e-4,
+            max_grad_norm=0.0,
+            b1=0.9,
+            b2=0.999,
+            cache_dir="",  # "" = the workdir
+        )
+    )
     c.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, expert=1, tensor=1))
     c.tokenizer_path = ""  # a local tokenizer directory (e.g. a real model's); "" = the built-in one
     c.hf_checkpoint = ""  # a local Hugging Face checkpoint directory to start from; "" = random init
@@ -108,7 +113,7 @@ def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigD
         c.prompt_len, c.max_new_tokens = 24, 8
         c.rollout.update(num_groups=2, group_size=4)
         c.train.update(num_iterations=3, minibatches=2, eval_every=2, eval_batches=1, checkpoint_every=1)
-        c.warm_start.update(steps=4, batch_size=8)
+        c.warm_start.update(steps=4, batch_size=8, warmup_steps=1)
     if size == "qwen3_30b_a3b":
         c.task = ml_collections.ConfigDict(dict(name="gsm8k"))
         c.prompt_len, c.max_new_tokens = 512, 1024
@@ -116,8 +121,10 @@ def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigD
         c.train.update(num_iterations=500, minibatches=4, learning_rate=1e-6, warmup_steps=10)
         c.warm_start.update(steps=0)
         c.mesh.update(data=1, fsdp=-1, expert=8, tensor=1)  # -1: whatever devices remain
-    if c.loss.aggregation == "seq_mean_token_sum_norm":
-        c.loss.sum_norm_len = float(c.max_new_tokens)  # Dr.GRPO: the max completion length
+
+    # What makes the algorithm what it is, from its one home.
+    c.loss = _dataclass_dict(alg.loss_config(c.max_new_tokens))
+    c.rollout.update(advantage_scale=alg.advantage_scale, **alg.rollout)
     return c
 
 
@@ -132,85 +139,69 @@ class Built:
 
 
 def _typed(name: str, cls, values: dict):
+    """`cls(**values)` with any error as one line prefixed by the config key."""
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - fields)
     if unknown:
-        raise ValueError(f"config.{name}: unknown field(s) {unknown}; allowed: {sorted(fields)}")
+        raise ConfigError(f"config.{name}: unknown field(s) {unknown}; allowed: {sorted(fields)}")
     try:
         return cls(**values)
-    except ValueError as e:
-        raise ValueError(f"config.{name}: {e}") from None
-    except TypeError as e:
-        raise ValueError(f"config.{name}: {e}") from None
-
-
-def _check(cond: bool, field: str, allowed: str, value) -> None:
-    if not cond:
-        raise ValueError(f"config.{field}={value!r} is not allowed; {allowed}")
+    except (ValueError, TypeError) as e:
+        raise ConfigError(f"config.{name}: {e}") from None
 
 
 def build(c: ml_collections.ConfigDict) -> Built:
-    """Validates the whole config and returns its typed pieces; raises ValueError naming the key."""
+    """Validates the whole config and returns its typed pieces; raises `ConfigError` naming the key."""
     m = dict(c.model)
     m["dense_layers"] = tuple(m.get("dense_layers", ()))
     model_cfg = _typed("model", model_lib.ModelConfig, m)
     if c.hf_checkpoint:
         # The checkpoint fixes the architecture; config.model still picks what HF does not describe.
-        from gspo_jax import hf
-
         keep = ("dispatch", "param_dtype", "dtype", "lb_loss_coef", "z_loss_coef")
         try:
             model_cfg = hf.config_from_hf(c.hf_checkpoint, **{k: getattr(model_cfg, k) for k in keep})
         except (OSError, ValueError) as e:
-            raise ValueError(f"config.hf_checkpoint={c.hf_checkpoint!r}: {e}") from None
+            raise ConfigError(f"config.hf_checkpoint={c.hf_checkpoint!r}: {e}") from None
     loss_cfg = _typed("loss", losses.LossConfig, dict(c.loss))
     rollout_cfg = _typed("rollout", RolloutConfig, dict(c.rollout))
-    task_kwargs = {k: v for k, v in c.task.items() if k != "name"}
     try:
-        task = make_task(c.task.name, **task_kwargs)
+        task = make_task(c.task.name, **{k: v for k, v in c.task.items() if k != "name"})
     except ValueError as e:
-        raise ValueError(f"config.task: {e}") from None
+        raise ConfigError(f"config.task: {e}") from None
     t, w = c.train, c.warm_start
     for key in ("prompt_len", "max_new_tokens"):
-        _check(isinstance(c[key], int) and c[key] >= 1, key, "it must be an int >= 1", c[key])
-    for key in (
-        "num_iterations",
-        "epochs",
-        "minibatches",
-        "microbatches",
-        "eval_every",
-        "checkpoint_every",
-        "keep_checkpoints",
-    ):
-        _check(isinstance(t[key], int) and t[key] >= 1, f"train.{key}", "it must be an int >= 1", t[key])
-    for key in ("learning_rate", "max_grad_norm"):
-        _check(t[key] > 0, f"train.{key}", "it must be > 0", t[key])
-    _check(
-        t.old_logp_source in OLD_LOGP_SOURCES,
-        "train.old_logp_source",
-        f"choose one of {OLD_LOGP_SOURCES}",
-        t.old_logp_source,
-    )
-    _check(t.routing_replay in REPLAY, "train.routing_replay", f"choose one of {REPLAY}", t.routing_replay)
+        check_int("config", key, c[key])
+    for key in ("num_iterations", "epochs", "minibatches", "microbatches", "eval_every", "checkpoint_every"):
+        check_int("config", f"train.{key}", t[key])
+    check_int("config", "train.keep_checkpoints", t.keep_checkpoints)
+    check_int("config", "train.eval_batches", t.eval_batches)
+    OptimizerConfig.from_config(t, "config.train")
+    check_choice("config", "train.old_logp_source", t.old_logp_source, OLD_LOGP_SOURCES)
+    check_choice("config", "train.routing_replay", t.routing_replay, REPLAY)
     batch = rollout_cfg.num_groups * rollout_cfg.group_size
-    _check(
+    check(
         batch % (t.minibatches * t.microbatches) == 0,
+        "config",
         "train.minibatches",
-        f"num_groups×group_size={batch} must be divisible by minibatches×microbatches",
         t.minibatches,
+        f"num_groups×group_size={batch} must be divisible by minibatches×microbatches",
     )
-    _check(isinstance(w.steps, int) and w.steps >= 0, "warm_start.steps", "it must be an int >= 0", w.steps)
-    _check(
-        model_cfg.vocab_size >= 128 or c.tokenizer_path,
+    check_int("config", "warm_start.steps", w.steps, low=0)
+    check_int("config", "warm_start.batch_size", w.batch_size)
+    OptimizerConfig.from_config(w, "config.warm_start")
+    check(
+        model_cfg.vocab_size >= 128 or bool(c.tokenizer_path),
+        "config",
         "model.vocab_size",
-        "the built-in tokenizer needs vocab_size >= 128",
         model_cfg.vocab_size,
+        "the built-in tokenizer needs vocab_size >= 128",
     )
     if loss_cfg.aggregation == "seq_mean_token_sum_norm":
-        _check(
+        check(
             loss_cfg.sum_norm_len == float(c.max_new_tokens),
+            "config",
             "loss.sum_norm_len",
-            f"Dr.GRPO normalises by the max completion length, max_new_tokens={c.max_new_tokens}",
             loss_cfg.sum_norm_len,
+            f"Dr.GRPO normalises by the max completion length, max_new_tokens={c.max_new_tokens}",
         )
     return Built(model=model_cfg, loss=loss_cfg, rollout=rollout_cfg, task=task)

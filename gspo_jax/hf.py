@@ -386,7 +386,7 @@ class _LazyTensors(Mapping):
     """name -> numpy array over open safetensors files, read on access (bf16 via ml_dtypes)."""
 
     def __init__(self, handles):
-        self._where = {name: h for h in handles for name in h}
+        self._where = {name: h for h in handles for name in h.keys()}  # noqa: SIM118 - safe_open is not iterable
 
     def __getitem__(self, name):
         return self._where[name].get_tensor(name)
@@ -431,18 +431,10 @@ def _natural_key(name: str):
 # ---------------------------------------------------------------------------- state <-> params
 
 
-def _is_variable(x) -> bool:
-    return isinstance(x, nnx.Variable)
-
-
-def _path_key(path) -> ParamPath:
-    return tuple(getattr(k, "key", getattr(k, "idx", k)) for k in path)
-
-
 def state_to_params(state: nnx.State) -> dict[ParamPath, np.ndarray]:
     """path -> host numpy array for every Variable of an NNX state."""
-    leaves = jax.tree_util.tree_flatten_with_path(state, is_leaf=_is_variable)[0]
-    return {_path_key(p): np.asarray(jax.device_get(v.get_value())) for p, v in leaves}
+    leaves = jax.tree_util.tree_flatten_with_path(state, is_leaf=sharding.is_variable)[0]
+    return {sharding.path_key(p): np.asarray(jax.device_get(v.get_value())) for p, v in leaves}
 
 
 def params_to_state(
@@ -457,18 +449,20 @@ def params_to_state(
     dtype = np.dtype(cfg.jnp_param_dtype)
     where: dict[ParamPath, Any] = {}
     if mesh is not None:
-        leaves = jax.tree_util.tree_flatten_with_path(sharding.param_shardings(mesh, abstract), is_leaf=_is_variable)
-        where = {_path_key(p): v.get_value() for p, v in leaves[0]}
+        leaves = jax.tree_util.tree_flatten_with_path(
+            sharding.param_shardings(mesh, abstract), is_leaf=sharding.is_variable
+        )
+        where = {sharding.path_key(p): v.get_value() for p, v in leaves[0]}
 
     def fill(path, var):
-        key = _path_key(path)
+        key = sharding.path_key(path)
         x = params[key]
         if tuple(x.shape) != tuple(var.get_value().shape):
             raise ValueError(f"params_to_state: {key} has shape {x.shape}, expected {var.get_value().shape}")
         x = x.astype(dtype, copy=False)
         return var.replace(jax.device_put(x, where[key]) if key in where else jnp.asarray(x))
 
-    state = jax.tree_util.tree_map_with_path(fill, abstract, is_leaf=_is_variable)
+    state = jax.tree_util.tree_map_with_path(fill, abstract, is_leaf=sharding.is_variable)
     return graphdef, state
 
 

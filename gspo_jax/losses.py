@@ -9,23 +9,29 @@ assembled from orthogonal pieces chosen by a frozen `LossConfig`:
                stop-gradient weight, or SAPO's soft sigmoid gate
   aggregation  how per-token (or per-sequence) losses become one number
 
-Shapes: B completions, T positions. `mask_BT` is 1 on completion tokens, 0 on prompt and padding.
-All math is float32 whatever the input dtype. Formulas: ALGORITHMS.md of the project.
+Shape letters: see `gspo_jax/__init__.py`. `mask_BT` is 1 on completion tokens, 0 on prompt and
+padding. All math is float32 whatever the input dtype. Formulas: docs/ALGORITHMS.md. Which loss each
+algorithm uses is declared in `gspo_jax/algorithms.py`.
 
 Global-batch aggregation: a loss is `numerator / denominator`. `loss_denominator(cfg, mask)` on the
 *whole* batch, passed as `denominator=` to `policy_loss` on each minibatch or device shard, makes the
-sum of the pieces equal the full-batch loss (and gradient).
+sum of the pieces equal the full-batch loss (and gradient). The metrics say the same in their types
+(`gspo_jax.metrics`): the loss terms are `Sum`s (pieces over one global denominator add), the
+diagnostics `Mean`s of a sum and a count, so merging the pieces' metrics gives the full batch's.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 from collections.abc import Callable
 from typing import NamedTuple
 
+import chex
 import jax
 import jax.numpy as jnp
+
+from gspo_jax.metrics import Max, Mean, Metric, Min, Sum
+from gspo_jax.validation import check_choice, check_number, fail
 
 Array = jax.Array
 
@@ -41,22 +47,6 @@ GATES_FOR_RATIO = {
     "sequence": ("clip", "sapo"),
     "geometric": ("clip",),  # GMPO clips in log space, token by token, inside the ratio
 }
-
-
-def _check_choice(field: str, value, allowed) -> None:
-    if value not in allowed:
-        raise ValueError(f"LossConfig.{field}={value!r} is not allowed; choose one of {allowed}")
-
-
-def _check_number(field: str, value, *, low: float, strict: bool, allow_none: bool = False):
-    if value is None and allow_none:
-        return
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > low if strict else value >= low)
-    if not ok:
-        bound = f"> {low}" if strict else f">= {low}"
-        none = " or None" if allow_none else ""
-        raise ValueError(f"LossConfig.{field}={value!r} is not allowed; it must be a finite number {bound}{none}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,60 +71,33 @@ class LossConfig:
     log_ratio_clamp: float = 20.0  # |log-ratio| bound applied before every exp
 
     def __post_init__(self):
-        _check_choice("ratio", self.ratio, RATIOS)
-        _check_choice("gate", self.gate, GATES)
-        _check_choice("aggregation", self.aggregation, AGGREGATIONS)
-        _check_choice("kl_estimator", self.kl_estimator, KL_ESTIMATORS)
-        _check_number("eps_low", self.eps_low, low=0.0, strict=False)
-        _check_number("eps_high", self.eps_high, low=0.0, strict=False)
-        _check_number("dual_clip_c", self.dual_clip_c, low=1.0, strict=True, allow_none=True)
-        _check_number("sum_norm_len", self.sum_norm_len, low=0.0, strict=True, allow_none=True)
-        _check_number("kl_coef", self.kl_coef, low=0.0, strict=False)
-        _check_number("sapo_tau_pos", self.sapo_tau_pos, low=0.0, strict=True)
-        _check_number("sapo_tau_neg", self.sapo_tau_neg, low=0.0, strict=True)
-        _check_number("log_ratio_clamp", self.log_ratio_clamp, low=0.0, strict=True)
+        own = "LossConfig"
+        check_choice(own, "ratio", self.ratio, RATIOS)
+        check_choice(own, "gate", self.gate, GATES)
+        check_choice(own, "aggregation", self.aggregation, AGGREGATIONS)
+        check_choice(own, "kl_estimator", self.kl_estimator, KL_ESTIMATORS)
+        check_number(own, "eps_low", self.eps_low, low=0.0)
+        check_number(own, "eps_high", self.eps_high, low=0.0)
+        check_number(own, "dual_clip_c", self.dual_clip_c, low=1.0, strict=True, allow_none=True)
+        check_number(own, "sum_norm_len", self.sum_norm_len, low=0.0, strict=True, allow_none=True)
+        check_number(own, "kl_coef", self.kl_coef, low=0.0)
+        check_number(own, "sapo_tau_pos", self.sapo_tau_pos, low=0.0, strict=True)
+        check_number(own, "sapo_tau_neg", self.sapo_tau_neg, low=0.0, strict=True)
+        check_number(own, "log_ratio_clamp", self.log_ratio_clamp, low=0.0, strict=True)
         if self.gate not in GATES_FOR_RATIO[self.ratio]:
-            raise ValueError(
-                f"LossConfig.gate={self.gate!r} does not go with ratio={self.ratio!r}; "
-                f"allowed gates for it: {GATES_FOR_RATIO[self.ratio]}"
-            )
+            fail(own, "gate", self.gate, f"with ratio={self.ratio!r} choose one of {GATES_FOR_RATIO[self.ratio]}")
         if self.dual_clip_c is not None and self.gate != "clip":
-            raise ValueError(f"LossConfig.dual_clip_c is only used with gate='clip', not gate={self.gate!r}")
+            fail(own, "dual_clip_c", self.dual_clip_c, f"it must be None with gate={self.gate!r} (clip gate only)")
         sequence_level = self.ratio in SEQUENCE_LEVEL_RATIOS
         if sequence_level != (self.aggregation == "sequence"):
             allowed = ("sequence",) if sequence_level else AGGREGATIONS[:3]
-            raise ValueError(
-                f"LossConfig.aggregation={self.aggregation!r} does not go with ratio={self.ratio!r}; allowed: {allowed}"
-            )
+            fail(own, "aggregation", self.aggregation, f"with ratio={self.ratio!r} choose one of {allowed}")
         if self.aggregation == "seq_mean_token_sum_norm" and self.sum_norm_len is None:
-            raise ValueError(
-                "LossConfig.sum_norm_len must be set (a number > 0, usually the max completion length) "
-                "when aggregation='seq_mean_token_sum_norm'"
-            )
+            fail(own, "sum_norm_len", None, "seq_mean_token_sum_norm needs a number > 0 (the max completion length)")
 
     @property
     def sequence_level(self) -> bool:
         return self.ratio in SEQUENCE_LEVEL_RATIOS
-
-
-PRESETS: dict[str, LossConfig] = {
-    # DeepSeekMath: symmetric clip 0.2, per-sequence token mean, β = 0.04 with the k3 estimator.
-    "grpo": LossConfig(eps_low=0.2, eps_high=0.2, aggregation="seq_mean_token_mean", kl_coef=0.04),
-    # DAPO: clip-higher (0.2 / 0.28), token-level mean, no KL.
-    "dapo": LossConfig(eps_low=0.2, eps_high=0.28, aggregation="token_mean"),
-    # GSPO: sequence ratio with tiny ranges (3e-4 / 4e-4), one loss per sequence.
-    "gspo": LossConfig(ratio="sequence", eps_low=3e-4, eps_high=4e-4, aggregation="sequence"),
-    "gspo_token": LossConfig(ratio="sequence_token", eps_low=3e-4, eps_high=4e-4, aggregation="seq_mean_token_mean"),
-    # Dr.GRPO: sum over tokens divided by a constant; set sum_norm_len to the max completion length
-    # (the trainer does). Its advantages are not std-scaled (advantages.PRESET_ADVANTAGE_SCALE).
-    "dr_grpo": LossConfig(aggregation="seq_mean_token_sum_norm", sum_norm_len=1024.0),
-    # GMPO: geometric mean of token ratios, each clipped in log space to (-0.4, 0.4).
-    "gmpo": LossConfig(ratio="geometric", eps_low=0.4, eps_high=0.4, aggregation="sequence"),
-    # CISPO (MiniMax-M1): no lower bound on the IS weight (ratios are > 0), only ε_high is tuned.
-    "cispo": LossConfig(gate="cispo", eps_low=1.0, eps_high=0.2, aggregation="token_mean"),
-    # SAPO: soft gate with τ_pos = 1.0 and τ_neg = 1.05 (negative advantages decay faster).
-    "sapo": LossConfig(gate="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05),
-}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -147,6 +110,15 @@ def token_logprobs(logits_BTV: Array, tokens_BT: Array, temperature: float | Arr
     lse_BT = jax.nn.logsumexp(logits_BTV, axis=-1)
     picked_BT = jnp.take_along_axis(logits_BTV, tokens_BT[..., None].astype(jnp.int32), axis=-1)[..., 0]
     return picked_BT - lse_BT
+
+
+def sequence_logprobs(logits_BTV: Array, tokens_BT: Array, temperature: float | Array = 1.0) -> Array:
+    """log π(tokens[:, t] | tokens[:, :t]) aligned to positions, float32 [B, T]; position 0 gets 0.
+
+    `logits_BTV` is the full forward over `tokens_BT` (logits at t predict token t + 1).
+    """
+    logp_BT = token_logprobs(logits_BTV[:, :-1], tokens_BT[:, 1:], temperature)
+    return jnp.pad(logp_BT, ((0, 0), (1, 0)))
 
 
 def kl_k1(d: Array) -> Array:
@@ -175,14 +147,12 @@ def _masked_sum(x: Array, mask: Array, axis=None) -> Array:
     return jnp.sum(jnp.where(mask, x, 0.0), axis=axis)
 
 
-def _masked_min_max_mean(x: Array, mask: Array) -> tuple[Array, Array, Array]:
-    """Min, max and mean over masked entries; 1.0 for all three when nothing is masked in."""
+def _masked_min_max_mean(x: Array, mask: Array) -> tuple[Min, Max, Mean]:
+    """Min, max and mean over masked entries, as metrics that merge; 1.0 for all three when empty."""
     count = jnp.sum(mask)
     lo = jnp.min(jnp.where(mask, x, jnp.inf))
     hi = jnp.max(jnp.where(mask, x, -jnp.inf))
-    mean = _masked_sum(x, mask) / jnp.maximum(count, 1)
-    some = count > 0
-    return jnp.where(some, lo, 1.0), jnp.where(some, hi, 1.0), jnp.where(some, mean, 1.0)
+    return Min(lo, count, 1.0), Max(hi, count, 1.0), Mean(_masked_sum(x, mask), count, 1.0)
 
 
 def masked_log_ratio(logp_BT: Array, old_logp_BT: Array, mask_BT: Array) -> Array:
@@ -333,12 +303,9 @@ def token_loss_numerator(aggregation: str, loss_BT: Array, mask_BT: Array, sum_n
 
 def _prepare(logp, old_logp, advantages, mask, ref_logp, cfg: LossConfig):
     """Argument checks (at trace time, before any math) and float32 casts."""
-    logp, old_logp = jnp.asarray(logp), jnp.asarray(old_logp)
-    if logp.ndim != 2 or old_logp.shape != logp.shape or jnp.shape(mask) != logp.shape:
-        raise ValueError(
-            "policy_loss: logp, old_logp and mask must share one [B, T] shape; got "
-            f"logp {logp.shape}, old_logp {old_logp.shape}, mask {jnp.shape(mask)}"
-        )
+    logp, old_logp, mask = jnp.asarray(logp), jnp.asarray(old_logp), jnp.asarray(mask)
+    chex.assert_rank(logp, 2, custom_message="policy_loss: logp must be [B, T]")
+    chex.assert_equal_shape([logp, old_logp, mask], custom_message="policy_loss: logp, old_logp, mask")
     advantages = jnp.asarray(advantages)
     B = logp.shape[0]
     if advantages.shape not in ((B,), logp.shape):
@@ -353,10 +320,9 @@ def _prepare(logp, old_logp, advantages, mask, ref_logp, cfg: LossConfig):
     if cfg.kl_coef > 0:
         if ref_logp is None:
             raise ValueError(f"policy_loss: kl_coef={cfg.kl_coef} > 0 needs ref_logp of shape {logp.shape}")
-        if jnp.shape(ref_logp) != logp.shape:
-            raise ValueError(f"policy_loss: ref_logp must have shape {logp.shape}; got {jnp.shape(ref_logp)}")
-    f32 = lambda x: None if x is None else jnp.asarray(x).astype(jnp.float32)  # noqa: E731
-    return f32(logp), f32(old_logp), f32(advantages), jnp.asarray(mask) > 0, f32(ref_logp)
+        chex.assert_shape(ref_logp, logp.shape, custom_message="policy_loss: ref_logp")
+    f32 = lambda x: None if x is None else jnp.asarray(x).astype(jnp.float32)
+    return f32(logp), f32(old_logp), f32(advantages), mask > 0, f32(ref_logp)
 
 
 def policy_loss(
@@ -368,7 +334,7 @@ def policy_loss(
     ref_logp: Array | None = None,
     *,
     denominator: Array | float | None = None,
-) -> tuple[Array, dict[str, Array]]:
+) -> tuple[Array, dict[str, Metric]]:
     """The configured policy loss and its diagnostics; pure and jittable (cfg is static).
 
     Args:
@@ -379,7 +345,9 @@ def policy_loss(
       denominator: the aggregation's denominator; default `loss_denominator(cfg, mask)`. Pass the
         global batch's value when this call sees only a minibatch or a shard.
     Returns:
-      (loss, metrics): loss = (Σ policy terms + kl_coef·Σ KL terms) / denominator.
+      (loss, metrics): loss = (Σ policy terms + kl_coef·Σ KL terms) / denominator. `metrics` are
+      typed (`gspo_jax.metrics`): the loss terms are `Sum`s (pieces over a global denominator add),
+      the diagnostics `Mean`s of (sum, count) or `Min` / `Max`; `metrics.compute` gives values.
     """
     logp_BT, old_BT, adv, mask_BT, ref_BT = _prepare(logp, old_logp, advantages, mask, ref_logp, cfg)
     if denominator is None:
@@ -424,14 +392,14 @@ def policy_loss(
         policy_num = token_loss_numerator(cfg.aggregation, g.loss, mask_BT, cfg.sum_norm_len)
         weight_BT = g.weight
 
-    metrics: dict[str, Array] = {}
+    metrics: dict[str, Metric] = {}
     kl_num = jnp.zeros((), jnp.float32)
     if cfg.kl_coef > 0:
         d_BT = jnp.where(mask_BT, clamp_log_ratio(ref_BT - logp_BT, clamp), 0.0)
         kl_BT = KL_FNS[cfg.kl_estimator](d_BT)
         kl_agg = "seq_mean_token_mean" if cfg.aggregation == "sequence" else cfg.aggregation
         kl_num = token_loss_numerator(kl_agg, kl_BT, mask_BT, cfg.sum_norm_len)
-        metrics["kl_ref"] = _masked_sum(kl_BT, mask_BT) / jnp.maximum(jnp.sum(mask_BT), 1)
+        metrics["kl_ref"] = Mean(_masked_sum(kl_BT, mask_BT), jnp.sum(mask_BT))
 
     policy = policy_num / denom
     kl_term = cfg.kl_coef * kl_num / denom
@@ -450,19 +418,19 @@ def policy_loss(
             weight_BT,
         )
     )
-    metrics.update(loss=loss, policy_loss=policy, kl_loss=kl_term, denominator=denom)
+    metrics.update(loss=Sum(loss), policy_loss=Sum(policy), kl_loss=Sum(kl_term), denominator=Mean(denom, 1))
     return loss, metrics
 
 
 def _diagnostics(
     delta_BT, log_s_B, adv, mask_BT, seq_ok_B, low_BT, high_BT, dual_BT, seq_clipped_B, weight_BT
-) -> dict[str, Array]:
-    """Everything listed under "Diagnostics" in ALGORITHMS.md, as float32 scalars (no gradient)."""
+) -> dict[str, Metric]:
+    """Everything under "Diagnostics" in docs/ALGORITHMS.md, as float32 metrics (no gradient)."""
     sg = jax.lax.stop_gradient
     delta_BT, log_s_B, weight_BT = sg(delta_BT), sg(log_s_B), sg(weight_BT)
-    n_tok = jnp.maximum(jnp.sum(mask_BT), 1).astype(jnp.float32)
-    n_seq = jnp.maximum(jnp.sum(seq_ok_B), 1).astype(jnp.float32)
-    frac = lambda b: jnp.sum(b).astype(jnp.float32) / n_tok  # noqa: E731
+    n_tok = jnp.sum(mask_BT).astype(jnp.float32)
+    n_seq = jnp.sum(seq_ok_B).astype(jnp.float32)
+    frac = lambda b: Mean(jnp.sum(b).astype(jnp.float32), n_tok)
     r_min, r_max, r_mean = _masked_min_max_mean(jnp.exp(delta_BT), mask_BT)
     s_min, s_max, s_mean = _masked_min_max_mean(jnp.exp(log_s_B), seq_ok_B)
     zero_adv_B = (adv == 0) if adv.ndim == 1 else jnp.all((adv == 0) | ~mask_BT, axis=-1)
@@ -471,16 +439,16 @@ def _diagnostics(
         "clip_frac_low": frac(low_BT),
         "clip_frac_high": frac(high_BT),
         "dual_clip_frac": frac(dual_BT),
-        "seq_clip_frac": jnp.sum(seq_clipped_B & seq_ok_B) / n_seq,
+        "seq_clip_frac": Mean(jnp.sum(seq_clipped_B & seq_ok_B).astype(jnp.float32), n_seq),
         "ratio_mean": r_mean,
         "ratio_min": r_min,
         "ratio_max": r_max,
         "seq_ratio_mean": s_mean,
         "seq_ratio_min": s_min,
         "seq_ratio_max": s_max,
-        "approx_kl": _masked_sum(kl_k3(delta_BT), mask_BT) / n_tok,
-        "grad_weight_mean": _masked_sum(weight_BT, mask_BT) / n_tok,
-        "zero_adv_frac": jnp.sum(zero_adv_B & seq_ok_B) / n_seq,
-        "num_tokens": jnp.sum(mask_BT).astype(jnp.float32),
-        "num_seqs": jnp.sum(seq_ok_B).astype(jnp.float32),
+        "approx_kl": Mean(_masked_sum(kl_k3(delta_BT), mask_BT), n_tok),
+        "grad_weight_mean": Mean(_masked_sum(weight_BT, mask_BT), n_tok),
+        "zero_adv_frac": Mean(jnp.sum(zero_adv_B & seq_ok_B).astype(jnp.float32), n_seq),
+        "num_tokens": Sum(n_tok),
+        "num_seqs": Sum(n_seq),
     }

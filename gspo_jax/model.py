@@ -5,8 +5,10 @@ with optional per-head q/k RMSNorm, SwiGLU FFN or `moe.MoE`, KV cache. Used
 functionally: `graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))` once,
 then the pure `apply(graphdef, state, ...)` under `jax.jit`.
 
-Positions are int32 [B,T]; a negative position marks a padding token: nothing attends
-to it and its own output is finite but meaningless.
+Positions are int32 [B, T]; a negative position marks a padding token: nothing attends
+to it and its own output is finite but meaningless. Router choices come back batch-first,
+`topk_BLTK` (L = MoE layers), and are replayed in the same layout. Shape letters:
+`gspo_jax/__init__.py`.
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ import dataclasses
 import functools
 from typing import NamedTuple
 
+import chex
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from gspo_jax import moe, sharding
+from gspo_jax.losses import sequence_logprobs
+from gspo_jax.validation import check, check_choice, check_int, check_number
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # Large finite negative for masked attention scores: a fully masked row stays finite.
@@ -57,44 +62,32 @@ class ModelConfig:
     def __post_init__(self):
         object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
 
-        def bad(field, allowed):
-            raise ValueError(f"ModelConfig.{field}: must be {allowed}, got {getattr(self, field)!r}")
-
+        own = "ModelConfig"
         for f in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "moe_every"):
-            if int(getattr(self, f)) <= 0:
-                bad(f, "a positive integer")
-        if self.head_dim % 2:
-            bad("head_dim", "even (RoPE rotates pairs)")
-        if self.num_heads % self.num_kv_heads:
-            raise ValueError(
-                f"ModelConfig.num_heads: must be divisible by num_kv_heads={self.num_kv_heads}, got {self.num_heads}"
-            )
-        if not self.rope_theta > 0:
-            bad("rope_theta", "> 0")
-        if not self.rms_eps > 0:
-            bad("rms_eps", "> 0")
-        if self.num_experts < 0:
-            bad("num_experts", ">= 0 (0 = all layers dense)")
+            check_int(own, f, getattr(self, f), low=1)
+        check(self.head_dim % 2 == 0, own, "head_dim", self.head_dim, "it must be even (RoPE rotates pairs)")
+        check(
+            self.num_heads % self.num_kv_heads == 0,
+            own,
+            "num_heads",
+            self.num_heads,
+            f"it must be divisible by num_kv_heads={self.num_kv_heads}",
+        )
+        check_number(own, "rope_theta", self.rope_theta, low=0.0, strict=True)
+        check_number(own, "rms_eps", self.rms_eps, low=0.0, strict=True)
+        check_int(own, "num_experts", self.num_experts, low=0)
         for i in self.dense_layers:
-            if not 0 <= i < self.num_layers:
-                bad("dense_layers", f"layer ids in [0, num_layers={self.num_layers})")
+            check(0 <= i < self.num_layers, own, "dense_layers", self.dense_layers, f"ids in [0, {self.num_layers})")
         if self.num_experts > 0:
-            if not 1 <= self.top_k <= self.num_experts:
-                bad("top_k", f"in [1, num_experts={self.num_experts}]")
-            if self.moe_mlp_dim <= 0 and self.num_moe_layers:
-                bad("moe_mlp_dim", "a positive integer")
-        if self.mlp_dim <= 0 and self.num_moe_layers < self.num_layers:
-            bad("mlp_dim", "a positive integer (some layers are dense)")
-        if self.mlp_dim < 0:
-            bad("mlp_dim", ">= 0")
+            check(1 <= self.top_k <= self.num_experts, own, "top_k", self.top_k, f"in [1, {self.num_experts}]")
+            if self.num_moe_layers:
+                check_int(own, "moe_mlp_dim", self.moe_mlp_dim, low=1)
+        check_int(own, "mlp_dim", self.mlp_dim, low=1 if self.num_moe_layers < self.num_layers else 0)
         for f in ("lb_loss_coef", "z_loss_coef"):
-            if not getattr(self, f) >= 0:
-                bad(f, ">= 0")
-        if self.dispatch not in moe.DISPATCHES:
-            bad("dispatch", f"one of {moe.DISPATCHES}")
+            check_number(own, f, getattr(self, f), low=0.0)
+        check_choice(own, "dispatch", self.dispatch, moe.DISPATCHES)
         for f in ("param_dtype", "dtype"):
-            if getattr(self, f) not in DTYPES:
-                bad(f, f"one of {tuple(DTYPES)}")
+            check_choice(own, f, getattr(self, f), tuple(DTYPES))
 
     def is_moe_layer(self, i: int) -> bool:
         """Qwen3-MoE rule: MoE iff experts exist, (i+1) % moe_every == 0 and i not in dense_layers."""
@@ -197,8 +190,8 @@ def get_config(name: str, **overrides) -> ModelConfig:
 class KVCache:
     """Preallocated keys/values for every layer; slot positions -1 mark empty slots."""
 
-    k: jax.Array  # [L, B, S, KVH, Dh]
-    v: jax.Array  # [L, B, S, KVH, Dh]
+    k: jax.Array  # [num_layers, B, S, J, W]
+    v: jax.Array  # [num_layers, B, S, J, W]
     positions: jax.Array  # int32 [B, S]
     index: jax.Array  # int32 scalar: next slot to write
 
@@ -222,8 +215,8 @@ class ModelAux(NamedTuple):
     lb_loss_coef * lb_loss + z_loss_coef * z_loss, the term to add to a training loss.
     """
 
-    topk: jax.Array  # int32 [L_moe, B, T, k] experts used (the forced ones under replay)
-    router_logits: jax.Array | None  # float32 [L_moe, B, T, E] when asked for
+    topk: jax.Array  # int32 [B, L, T, K] experts used (the forced ones under replay)
+    router_logits: jax.Array | None  # float32 [B, L, T, E] when asked for
     lb_loss: jax.Array
     z_loss: jax.Array
     aux_loss: jax.Array
@@ -256,19 +249,19 @@ class RMSNorm(nnx.Module):
         return y.astype(x.dtype) * self.scale[...].astype(x.dtype)
 
 
-def apply_rope(x_BTHD: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+def apply_rope(x_BTHW: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
     """Rotary embedding, HF rotate_half layout (first half / second half of head_dim).
 
     Negative (padding) positions rotate as position 0.
     """
-    D = x_BTHD.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, D, 2, dtype=jnp.float32) / D))
-    angles_BTF = jnp.maximum(positions_BT, 0).astype(jnp.float32)[..., None] * inv_freq
-    angles_BTD = jnp.concatenate([angles_BTF, angles_BTF], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(angles_BTD).astype(x_BTHD.dtype), jnp.sin(angles_BTD).astype(x_BTHD.dtype)
-    x1, x2 = x_BTHD[..., : D // 2], x_BTHD[..., D // 2 :]
+    W = x_BTHW.shape[-1]
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, W, 2, dtype=jnp.float32) / W))
+    angles_BTw = jnp.maximum(positions_BT, 0).astype(jnp.float32)[..., None] * inv_freq
+    angles_BTW = jnp.concatenate([angles_BTw, angles_BTw], axis=-1)[:, :, None, :]
+    cos, sin = jnp.cos(angles_BTW).astype(x_BTHW.dtype), jnp.sin(angles_BTW).astype(x_BTHW.dtype)
+    x1, x2 = x_BTHW[..., : W // 2], x_BTHW[..., W // 2 :]
     rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return x_BTHD * cos + rotated * sin
+    return x_BTHW * cos + rotated * sin
 
 
 def attention_mask(q_pos_BT, k_pos_BS, q_slot_T, k_slot_S) -> jax.Array:
@@ -284,55 +277,55 @@ class Attention(nnx.Module):
     """Grouped-query self-attention with optional per-head q/k RMSNorm (before RoPE, as Qwen3)."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        D, H, KV, Dh, pd = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.jnp_param_dtype
+        D, H, J, W, pd = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.jnp_param_dtype
         self.cfg = cfg
-        self.q_proj = sharding.param(rngs, _fan_in(0, (1, 2)), (D, H, Dh), ("embed", "heads", "head_dim"), pd)
-        self.k_proj = sharding.param(rngs, _fan_in(0, (1, 2)), (D, KV, Dh), ("embed", "kv_heads", "head_dim"), pd)
-        self.v_proj = sharding.param(rngs, _fan_in(0, (1, 2)), (D, KV, Dh), ("embed", "kv_heads", "head_dim"), pd)
-        self.o_proj = sharding.param(rngs, _fan_in((0, 1), 2), (H, Dh, D), ("heads", "head_dim", "embed"), pd)
+        self.q_proj = sharding.param(rngs, _fan_in(0, (1, 2)), (D, H, W), ("embed", "heads", "head_dim"), pd)
+        self.k_proj = sharding.param(rngs, _fan_in(0, (1, 2)), (D, J, W), ("embed", "kv_heads", "head_dim"), pd)
+        self.v_proj = sharding.param(rngs, _fan_in(0, (1, 2)), (D, J, W), ("embed", "kv_heads", "head_dim"), pd)
+        self.o_proj = sharding.param(rngs, _fan_in((0, 1), 2), (H, W, D), ("heads", "head_dim", "embed"), pd)
         if cfg.qk_norm:
-            self.q_norm = RMSNorm(Dh, cfg.rms_eps, param_dtype=pd, rngs=rngs)
-            self.k_norm = RMSNorm(Dh, cfg.rms_eps, param_dtype=pd, rngs=rngs)
+            self.q_norm = RMSNorm(W, cfg.rms_eps, param_dtype=pd, rngs=rngs)
+            self.k_norm = RMSNorm(W, cfg.rms_eps, param_dtype=pd, rngs=rngs)
 
     def __call__(self, x_BTD, positions_BT, kv=None):
         """kv=None: attend within the chunk. kv=(k_all, v_all, key_pos_BS, index, layer): write this
         chunk's keys/values into the cache at slots index.., attend over all S slots, return new k_all, v_all."""
         cfg, dtype = self.cfg, x_BTD.dtype
         B, T, _ = x_BTD.shape
-        q_BTHD = jnp.einsum("btd,dhk->bthk", x_BTD, self.q_proj[...].astype(dtype))
-        k_BTKD = jnp.einsum("btd,dhk->bthk", x_BTD, self.k_proj[...].astype(dtype))
-        v_BTKD = jnp.einsum("btd,dhk->bthk", x_BTD, self.v_proj[...].astype(dtype))
+        q_BTHW = jnp.einsum("btd,dhw->bthw", x_BTD, self.q_proj[...].astype(dtype))
+        k_BTJW = jnp.einsum("btd,djw->btjw", x_BTD, self.k_proj[...].astype(dtype))
+        v_BTJW = jnp.einsum("btd,djw->btjw", x_BTD, self.v_proj[...].astype(dtype))
         if cfg.qk_norm:
-            q_BTHD, k_BTKD = self.q_norm(q_BTHD), self.k_norm(k_BTKD)
-        q_BTHD = apply_rope(q_BTHD, positions_BT, cfg.rope_theta)
-        k_BTKD = apply_rope(k_BTKD, positions_BT, cfg.rope_theta)
+            q_BTHW, k_BTJW = self.q_norm(q_BTHW), self.k_norm(k_BTJW)
+        q_BTHW = apply_rope(q_BTHW, positions_BT, cfg.rope_theta)
+        k_BTJW = apply_rope(k_BTJW, positions_BT, cfg.rope_theta)
         q_slot_T = jnp.arange(T, dtype=jnp.int32)
         if kv is None:
-            k_BSKD, v_BSKD, key_pos_BS, k_slot_S, new_kv = k_BTKD, v_BTKD, positions_BT, q_slot_T, None
+            k_BSJW, v_BSJW, key_pos_BS, k_slot_S, new_kv = k_BTJW, v_BTJW, positions_BT, q_slot_T, None
         else:
             k_all, v_all, key_pos_BS, index, layer = kv
             zero = jnp.zeros((), jnp.int32)
             start = (jnp.asarray(layer, jnp.int32), zero, index, zero, zero)
-            k_all = jax.lax.dynamic_update_slice(k_all, k_BTKD[None].astype(k_all.dtype), start)
-            v_all = jax.lax.dynamic_update_slice(v_all, v_BTKD[None].astype(v_all.dtype), start)
-            k_BSKD, v_BSKD = k_all[layer].astype(dtype), v_all[layer].astype(dtype)
+            k_all = jax.lax.dynamic_update_slice(k_all, k_BTJW[None].astype(k_all.dtype), start)
+            v_all = jax.lax.dynamic_update_slice(v_all, v_BTJW[None].astype(v_all.dtype), start)
+            k_BSJW, v_BSJW = k_all[layer].astype(dtype), v_all[layer].astype(dtype)
             k_slot_S = jnp.arange(k_all.shape[2], dtype=jnp.int32)
             q_slot_T = q_slot_T + index
             new_kv = (k_all, v_all)
-        G = cfg.num_heads // cfg.num_kv_heads
-        q_BTKGD = q_BTHD.reshape(B, T, cfg.num_kv_heads, G, cfg.head_dim)
-        scores_BKGTS = jnp.einsum("btkgd,bskd->bkgts", q_BTKGD, k_BSKD, preferred_element_type=jnp.float32) * (
+        Q = cfg.num_heads // cfg.num_kv_heads
+        q_BTJQW = q_BTHW.reshape(B, T, cfg.num_kv_heads, Q, cfg.head_dim)
+        scores_BJQTS = jnp.einsum("btjqw,bsjw->bjqts", q_BTJQW, k_BSJW, preferred_element_type=jnp.float32) * (
             cfg.head_dim**-0.5
         )
         mask_BTS = attention_mask(positions_BT, key_pos_BS, q_slot_T, k_slot_S)
-        scores_BKGTS = jnp.where(mask_BTS[:, None, None], scores_BKGTS, MASK_VALUE)
-        probs_BKGTS = jax.nn.softmax(scores_BKGTS, axis=-1)
+        scores_BJQTS = jnp.where(mask_BTS[:, None, None], scores_BJQTS, MASK_VALUE)
+        probs_BJQTS = jax.nn.softmax(scores_BJQTS, axis=-1)
         # A query with no allowed key (padding) reads nothing, rather than an average of arbitrary
         # slots: its output then cannot depend on stale cache contents.
-        probs_BKGTS = (probs_BKGTS * jnp.any(mask_BTS, axis=-1)[:, None, None, :, None]).astype(dtype)
-        out_BTKGD = jnp.einsum("bkgts,bskd->btkgd", probs_BKGTS, v_BSKD)
-        out_BTHD = out_BTKGD.reshape(B, T, cfg.num_heads, cfg.head_dim)
-        return jnp.einsum("bthk,hkd->btd", out_BTHD, self.o_proj[...].astype(dtype)), new_kv
+        probs_BJQTS = (probs_BJQTS * jnp.any(mask_BTS, axis=-1)[:, None, None, :, None]).astype(dtype)
+        out_BTJQW = jnp.einsum("bjqts,bsjw->btjqw", probs_BJQTS, v_BSJW)
+        out_BTHW = out_BTJQW.reshape(B, T, cfg.num_heads, cfg.head_dim)
+        return jnp.einsum("bthw,hwd->btd", out_BTHW, self.o_proj[...].astype(dtype)), new_kv
 
 
 class MLP(nnx.Module):
@@ -345,8 +338,8 @@ class MLP(nnx.Module):
 
     def __call__(self, x_BTD):
         dtype = x_BTD.dtype
-        h_BTM = jax.nn.silu(x_BTD @ self.gate_proj[...].astype(dtype)) * (x_BTD @ self.up_proj[...].astype(dtype))
-        return h_BTM @ self.down_proj[...].astype(dtype)
+        h_BTF = jax.nn.silu(x_BTD @ self.gate_proj[...].astype(dtype)) * (x_BTD @ self.up_proj[...].astype(dtype))
+        return h_BTF @ self.down_proj[...].astype(dtype)
 
 
 class Block(nnx.Module):
@@ -409,12 +402,14 @@ class Transformer(nnx.Module):
         forced_topk: jax.Array | None = None,
         return_router_logits: bool = False,
     ) -> tuple[jax.Array, ModelAux]:
-        """float32 logits [B,T,V] and `ModelAux`; see `apply`."""
+        """float32 logits [B, T, V] and `ModelAux`; see `apply`."""
         cfg, dtype = self.cfg, self.cfg.jnp_dtype
+        chex.assert_rank(tokens_BT, 2, custom_message="tokens must be [B, T]")
         B, T = tokens_BT.shape
-        L_moe, K = cfg.num_moe_layers, max(cfg.top_k, 1)
-        if forced_topk is not None and tuple(forced_topk.shape) != (L_moe, B, T, K):
-            raise ValueError(f"forced_topk: expected shape {(L_moe, B, T, K)}, got {tuple(forced_topk.shape)}")
+        chex.assert_shape(positions_BT, (B, T), custom_message="positions must be [B, T] like tokens")
+        L, K = cfg.num_moe_layers, max(cfg.top_k, 1)
+        if forced_topk is not None:
+            chex.assert_shape(forced_topk, (B, L, T, K), custom_message="forced_topk must be [B, L, T, K]")
         positions_BT = positions_BT.astype(jnp.int32)
         x_BTD = jnp.take(self.embed_tokens[...], tokens_BT, axis=0).astype(dtype)
         if cache is not None:
@@ -424,7 +419,7 @@ class Transformer(nnx.Module):
         stats = []
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else (k_all, v_all, key_pos_BS, index, i)
-            forced = None if forced_topk is None or not layer.is_moe else forced_topk[len(stats)]
+            forced = None if forced_topk is None or not layer.is_moe else forced_topk[:, len(stats)]
             x_BTD, new_kv, s = layer(x_BTD, positions_BT, kv, forced)
             if cache is not None:
                 k_all, v_all = new_kv
@@ -435,19 +430,19 @@ class Transformer(nnx.Module):
         logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head_DV.astype(dtype), preferred_element_type=jnp.float32)
 
         if stats:
-            topk = jnp.stack([s.topk_BTK for s in stats])
-            router_logits = jnp.stack([s.logits_BTE for s in stats]) if return_router_logits else None
+            topk_BLTK = jnp.stack([s.topk_BTK for s in stats], axis=1)
+            router_logits = jnp.stack([s.logits_BTE for s in stats], axis=1) if return_router_logits else None
             lb_loss = jnp.mean(jnp.stack([s.lb_loss for s in stats]))
             z_loss = jnp.mean(jnp.stack([s.z_loss for s in stats]))
         else:
-            topk = jnp.zeros((0, B, T, K), jnp.int32)
-            router_logits = jnp.zeros((0, B, T, cfg.num_experts), jnp.float32) if return_router_logits else None
+            topk_BLTK = jnp.zeros((B, 0, T, K), jnp.int32)
+            router_logits = jnp.zeros((B, 0, T, cfg.num_experts), jnp.float32) if return_router_logits else None
             lb_loss = z_loss = jnp.zeros((), jnp.float32)
         new_cache = None
         if cache is not None:
             new_cache = KVCache(k=k_all, v=v_all, positions=key_pos_BS, index=index + T)
         aux = ModelAux(
-            topk=topk,
+            topk=topk_BLTK,
             router_logits=router_logits,
             lb_loss=lb_loss,
             z_loss=z_loss,
@@ -468,15 +463,30 @@ def apply(
 ) -> tuple[jax.Array, ModelAux]:
     """Pure forward pass: merges (graphdef, state) and runs the model.
 
-    tokens, positions: int32 [B,T] (negative position = padding). With `cache`, the T
+    tokens, positions: int32 [B, T] (negative position = padding). With `cache`, the T
     tokens are written at slots cache.index.. and attend over the whole cache; the
     updated cache is in aux.cache (the caller must keep index + T <= max_len; past it
-    the write start is clamped). `forced_topk` [L_moe,B,T,k] replays a routing.
+    the write start is clamped). `forced_topk` [B, L, T, K] replays a routing.
     Jit with `graphdef` and `return_router_logits` static, e.g.
     `jax.jit(functools.partial(apply, graphdef), static_argnames="return_router_logits")`.
     """
     model = nnx.merge(graphdef, state)
     return model(tokens, positions, cache=cache, forced_topk=forced_topk, return_router_logits=return_router_logits)
+
+
+def score(
+    graphdef: nnx.GraphDef,
+    temperature: float,
+    state: nnx.State,
+    tokens_BT: jax.Array,
+    positions_BT: jax.Array,
+    forced_topk_BLTK: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array]:
+    """log-probs of the given tokens at `temperature` (aligned to positions, float32 [B, T]) and the
+    router top-k [B, L, T, K]: how the policy scores a rollout (π_old's recompute, π_ref, drift).
+    Jit with `graphdef` and `temperature` static."""
+    logits_BTV, aux = apply(graphdef, state, tokens_BT, positions_BT, forced_topk=forced_topk_BLTK)
+    return sequence_logprobs(logits_BTV, tokens_BT, temperature), aux.topk
 
 
 def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:

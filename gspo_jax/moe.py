@@ -1,5 +1,6 @@
 """Dropless sparse Mixture-of-Experts feed-forward: float32 router, top-k with optional
 renormalisation, routing replay, two dispatch paths, load-balancing and z losses.
+Shape letters: `gspo_jax/__init__.py` (E experts, K chosen per token, F expert width).
 
 Dropless means every token reaches its k experts whatever the rest of the batch is,
 so a token's output never depends on other tokens: log-probs are exact and routing
@@ -15,6 +16,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gspo_jax import sharding
+from gspo_jax.validation import check, check_choice
 
 DISPATCHES = ("dense", "ragged")
 
@@ -78,44 +80,44 @@ def router_z_loss(logits_BTE: jax.Array, valid_BT: jax.Array) -> jax.Array:
     return _masked_mean(lse_BT**2, valid_BT)
 
 
-def dense_experts(x_BTD, topk_BTK, gates_BTK, w_gate_EDM, w_up_EDM, w_down_EMD):
+def dense_experts(x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF, w_down_EFD):
     """Every expert on every token, mixed by a [B,T,E] combine tensor (zero off the top-k).
 
     E times the FLOPs of sparse dispatch, but plain einsums: the fast path on CPU at small E.
     """
     dtype = x_BTD.dtype
     combine_BTE = jnp.einsum(
-        "btk,btke->bte", gates_BTK, jax.nn.one_hot(topk_BTK, w_gate_EDM.shape[0], dtype=jnp.float32)
+        "btk,btke->bte", gates_BTK, jax.nn.one_hot(topk_BTK, w_gate_EDF.shape[0], dtype=jnp.float32)
     )
-    gate_BTEM = jnp.einsum("btd,edm->btem", x_BTD, w_gate_EDM.astype(dtype))
-    up_BTEM = jnp.einsum("btd,edm->btem", x_BTD, w_up_EDM.astype(dtype))
-    h_BTEM = jax.nn.silu(gate_BTEM) * up_BTEM
-    y_BTED = jnp.einsum("btem,emd->bted", h_BTEM, w_down_EMD.astype(dtype))
+    gate_BTEF = jnp.einsum("btd,edf->btef", x_BTD, w_gate_EDF.astype(dtype))
+    up_BTEF = jnp.einsum("btd,edf->btef", x_BTD, w_up_EDF.astype(dtype))
+    h_BTEF = jax.nn.silu(gate_BTEF) * up_BTEF
+    y_BTED = jnp.einsum("btef,efd->bted", h_BTEF, w_down_EFD.astype(dtype))
     y_BTD = jnp.einsum("bted,bte->btd", y_BTED, combine_BTE, preferred_element_type=jnp.float32)
     return y_BTD.astype(dtype)
 
 
-def ragged_experts(x_BTD, topk_BTK, gates_BTK, w_gate_EDM, w_up_EDM, w_down_EMD):
-    """Sparse dispatch: sort the B*T*k (token, expert) slots by expert, run grouped
-    matmuls with `lax.ragged_dot`, unsort, weight by the gates and sum over k.
+def ragged_experts(x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF, w_down_EFD):
+    """Sparse dispatch: sort the A = B·T·K (token, expert) assignments by expert, run grouped
+    matmuls with `lax.ragged_dot`, unsort, weight by the gates and sum over K.
 
-    All shapes are static (B*T*k slots), so it jit-compiles once; the TPU path.
+    All shapes are static (A assignments), so it jit-compiles once; the TPU path.
     """
     B, T, D = x_BTD.shape
     K = topk_BTK.shape[-1]
-    E = w_gate_EDM.shape[0]
+    E = w_gate_EDF.shape[0]
     dtype = x_BTD.dtype
     x_ND = x_BTD.reshape(B * T, D)
-    expert_S = topk_BTK.reshape(-1)
-    order_S = jnp.argsort(expert_S, stable=True)
-    x_SD = x_ND[order_S // K]
-    group_sizes_E = jnp.bincount(expert_S, length=E).astype(jnp.int32)
-    gate_SM = jax.lax.ragged_dot(x_SD, w_gate_EDM.astype(dtype), group_sizes_E)
-    up_SM = jax.lax.ragged_dot(x_SD, w_up_EDM.astype(dtype), group_sizes_E)
-    h_SM = jax.nn.silu(gate_SM) * up_SM
-    y_sorted_SD = jax.lax.ragged_dot(h_SM, w_down_EMD.astype(dtype), group_sizes_E)
-    inverse_S = jnp.zeros_like(order_S).at[order_S].set(jnp.arange(order_S.shape[0], dtype=order_S.dtype))
-    y_NKD = y_sorted_SD[inverse_S].reshape(B * T, K, D)
+    expert_A = topk_BTK.reshape(-1)
+    order_A = jnp.argsort(expert_A, stable=True)
+    x_AD = x_ND[order_A // K]
+    group_sizes_E = jnp.bincount(expert_A, length=E).astype(jnp.int32)
+    gate_AF = jax.lax.ragged_dot(x_AD, w_gate_EDF.astype(dtype), group_sizes_E)
+    up_AF = jax.lax.ragged_dot(x_AD, w_up_EDF.astype(dtype), group_sizes_E)
+    h_AF = jax.nn.silu(gate_AF) * up_AF
+    y_sorted_AD = jax.lax.ragged_dot(h_AF, w_down_EFD.astype(dtype), group_sizes_E)
+    inverse_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(order_A.shape[0], dtype=order_A.dtype))
+    y_NKD = y_sorted_AD[inverse_A].reshape(B * T, K, D)
     y_ND = jnp.einsum("nkd,nk->nd", y_NKD, gates_BTK.reshape(B * T, K), preferred_element_type=jnp.float32)
     return y_ND.reshape(B, T, D).astype(dtype)
 
@@ -140,10 +142,8 @@ class MoE(nnx.Module):
         dtype=jnp.float32,
         rngs: nnx.Rngs,
     ):
-        if dispatch not in DISPATCHES:
-            raise ValueError(f"MoE: dispatch must be one of {DISPATCHES}, got {dispatch!r}")
-        if not 1 <= top_k <= num_experts:
-            raise ValueError(f"MoE: top_k must be in [1, num_experts={num_experts}], got {top_k}")
+        check_choice("MoE", "dispatch", dispatch, DISPATCHES)
+        check(1 <= top_k <= num_experts, "MoE", "top_k", top_k, f"in [1, num_experts={num_experts}]")
         self.num_experts, self.top_k = num_experts, top_k
         self.renormalize, self.dispatch, self.dtype = renormalize, dispatch, dtype
 

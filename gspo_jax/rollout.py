@@ -4,21 +4,21 @@ DAPO's tricks live here, outside the loss: overlong reward shaping, overlong fil
 completions leave the loss), and dynamic sampling (groups whose rewards are all equal are dropped and
 new prompts are sampled, up to `max_rounds` generation rounds; a batch still short is filled with
 zero-weight groups — loss mask 0, advantage 0 — which change neither the loss nor its denominator).
-Shapes never change, so nothing recompiles.
+Shapes never change, so nothing recompiles. Shape letters: `gspo_jax/__init__.py`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 from collections.abc import Sequence
-from typing import Any
+from typing import NamedTuple
 
 import jax
 import numpy as np
 
 from gspo_jax import advantages as adv_lib
-from gspo_jax.sampler import Sampler, left_pad
+from gspo_jax.sampler import SampleOutput, Sampler, left_pad
+from gspo_jax.validation import check, check_choice, check_int, check_number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,60 +39,46 @@ class RolloutConfig:
     overlong_factor: float = 1.0
 
     def __post_init__(self):
+        own = "RolloutConfig"
         for f in ("num_groups", "group_size", "max_rounds"):
-            v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ValueError(f"RolloutConfig.{f}={v!r} is not allowed; it must be an int >= 1")
-        if self.advantage_scale not in adv_lib.SCALES:
-            raise ValueError(f"RolloutConfig.advantage_scale={self.advantage_scale!r}; choose one of {adv_lib.SCALES}")
-        if not (isinstance(self.overlong_cache_len, int) and self.overlong_cache_len >= 0):
-            raise ValueError(f"RolloutConfig.overlong_cache_len={self.overlong_cache_len!r}; it must be an int >= 0")
-        if self.top_k < 0 or not 0.0 < self.top_p <= 1.0 or self.temperature < 0:
-            raise ValueError(
-                "RolloutConfig: need temperature >= 0, top_k >= 0 and 0 < top_p <= 1; got "
-                f"temperature={self.temperature}, top_k={self.top_k}, top_p={self.top_p}"
-            )
-        if self.dynamic_sampling and self.max_rounds < 2:
-            raise ValueError(
-                "RolloutConfig.max_rounds must be >= 2 when dynamic_sampling is on "
-                "(one round can only drop groups, never replace them)"
-            )
+            check_int(own, f, getattr(self, f), low=1)
+        check_choice(own, "advantage_scale", self.advantage_scale, adv_lib.SCALES)
+        check_number(own, "advantage_eps", self.advantage_eps, low=0.0)
+        check_int(own, "overlong_cache_len", self.overlong_cache_len, low=0)
+        check_number(own, "overlong_factor", self.overlong_factor, low=0.0)
+        check_number(own, "temperature", self.temperature, low=0.0)
+        check_int(own, "top_k", self.top_k, low=0)
+        check_number(own, "top_p", self.top_p, low=0.0, high=1.0, strict=True)
+        if self.dynamic_sampling:
+            allowed = ">= 2 with dynamic_sampling (one round can only drop groups, never replace them)"
+            check(self.max_rounds >= 2, own, "max_rounds", self.max_rounds, allowed)
 
 
-@functools.partial(
-    jax.tree_util.register_dataclass,
-    data_fields=[
-        "tokens",
-        "prompt_mask",
-        "completion_mask",
-        "loss_mask",
-        "old_logp",
-        "ref_logp",
-        "rewards",
-        "advantages",
-        "group_ids",
-        "lengths",
-        "truncated",
-        "topk",
-    ],
-    meta_fields=[],
-)
 @dataclasses.dataclass(frozen=True)
 class RolloutBatch:
-    """One training batch of B = num_groups × group_size completions over L = P + N positions."""
+    """One training batch of B = num_groups × group_size completions over T = P + C positions (host
+    arrays: the trainer places them on the mesh)."""
 
-    tokens: Any  # int32 [B, L]
-    prompt_mask: Any  # bool [B, L]
-    completion_mask: Any  # bool [B, L]: every generated token up to EOS (positions need it)
-    loss_mask: Any  # float32 [B, L]: completion_mask minus filtered (overlong, fill) completions
-    old_logp: Any  # float32 [B, L]
-    ref_logp: Any  # float32 [B, L] or None (the trainer fills it when kl_coef > 0)
-    rewards: Any  # float32 [B], after overlong shaping
-    advantages: Any  # float32 [B]
-    group_ids: Any  # int32 [B]: the prompt each completion answers, unique within the batch
-    lengths: Any  # int32 [B]
-    truncated: Any  # bool [B]
-    topk: Any  # int32 [L_moe, B, L, k]: the sampler's routing (R3 replay)
+    tokens: np.ndarray  # int32 [B, T]
+    prompt_mask: np.ndarray  # bool [B, T]
+    completion_mask: np.ndarray  # bool [B, T]: every generated token up to EOS (positions need it)
+    loss_mask: np.ndarray  # float32 [B, T]: completion_mask minus filtered (overlong, fill) completions
+    old_logp: np.ndarray  # float32 [B, T]: the sampler's log-probs
+    rewards: np.ndarray  # float32 [B], after overlong shaping
+    advantages: np.ndarray  # float32 [B]
+    group_ids: np.ndarray  # int32 [B]: the prompt each completion answers, unique within the batch
+    lengths: np.ndarray  # int32 [B]
+    truncated: np.ndarray  # bool [B]
+    topk: np.ndarray  # int32 [B, L, T, K]: the sampler's routing (R3 replay)
+
+
+class _Round(NamedTuple):
+    """One generation round: G samples of each of num_groups prompts, scored."""
+
+    out: SampleOutput  # host arrays
+    raw: np.ndarray  # float32 [B]: the task's rewards
+    rewards: np.ndarray  # float32 [B]: after overlong shaping
+    informative: np.ndarray  # bool [num_groups]: rewards not all equal
 
 
 def select_groups(informative_per_round: Sequence[np.ndarray], num_groups: int, dynamic: bool):
@@ -136,7 +122,7 @@ class Rollout:
         P = self.sampler.prompt_len
         return [self.tokenizer.decode(row[P : P + n], skip_special_tokens=True) for row, n in zip(out_tokens, lengths)]
 
-    def _round(self, state, examples, key):
+    def _round(self, state, examples, key) -> _Round:
         cfg, G = self.cfg, self.cfg.group_size
         tokens, mask = self.encode_prompts([ex.prompt for ex in examples])
         out = self.sampler(
@@ -157,31 +143,24 @@ class Rollout:
         if cfg.overlong_cache_len > 0:
             penalty = adv_lib.overlong_penalty(out.lengths, self.sampler.max_new_tokens, cfg.overlong_cache_len)
             rewards = raw + cfg.overlong_factor * np.asarray(penalty)
-        return dict(
-            out=out,
-            raw=raw,
-            rewards=rewards.astype(np.float32),
-            informative=np.asarray(adv_lib.informative_groups(rewards, G)),
-        )
+        return _Round(out, raw, rewards.astype(np.float32), np.asarray(adv_lib.informative_groups(rewards, G)))
 
     def __call__(self, state, prompt_iter, key) -> tuple[RolloutBatch, dict[str, float]]:
         cfg, G = self.cfg, self.cfg.group_size
         rounds = []
         for r in range(cfg.max_rounds):
             rounds.append(self._round(state, prompt_iter.next_batch(cfg.num_groups), jax.random.fold_in(key, r)))
-            if not cfg.dynamic_sampling or sum(int(x["informative"].sum()) for x in rounds) >= cfg.num_groups:
+            if not cfg.dynamic_sampling or sum(int(x.informative.sum()) for x in rounds) >= cfg.num_groups:
                 break
-        picks, weights, shortfall = select_groups(
-            [x["informative"] for x in rounds], cfg.num_groups, cfg.dynamic_sampling
-        )
+        picks, weights, shortfall = select_groups([x.informative for x in rounds], cfg.num_groups, cfg.dynamic_sampling)
         rows = [(r, g * G + j) for r, g in picks for j in range(G)]
-        take = lambda get: np.stack([get(rounds[r])[i] for r, i in rows])  # noqa: E731
-        out_field = lambda name: take(lambda x: getattr(x["out"], name))  # noqa: E731
+        take = lambda get: np.stack([get(rounds[r])[i] for r, i in rows])
+        out_field = lambda name: take(lambda x: getattr(x.out, name))
         weight_B = np.repeat(np.asarray(weights), G)
         truncated = out_field("truncated")
         completion_mask = out_field("completion_mask")
         keep_B = weight_B & ~(truncated if cfg.overlong_filter else np.zeros_like(truncated))
-        rewards = take(lambda x: x["rewards"])
+        rewards = take(lambda x: x.rewards)
         advantages = adv_lib.group_advantages(rewards, G, cfg.advantage_scale, cfg.advantage_eps, valid=weight_B)
         batch = RolloutBatch(
             tokens=out_field("tokens"),
@@ -189,23 +168,22 @@ class Rollout:
             completion_mask=completion_mask,
             loss_mask=(completion_mask & keep_B[:, None]).astype(np.float32),
             old_logp=out_field("logp"),
-            ref_logp=None,
             rewards=rewards,
             advantages=np.asarray(advantages),
             group_ids=np.repeat(np.arange(cfg.num_groups, dtype=np.int32), G),
             lengths=out_field("lengths"),
             truncated=truncated,
-            topk=np.stack([rounds[r]["out"].topk[:, i] for r, i in rows], axis=1),
+            topk=out_field("topk"),
         )
         return batch, self._metrics(rounds, len(picks) - shortfall, shortfall)
 
     def _metrics(self, rounds, kept: int, shortfall: int) -> dict[str, float]:
         G = self.cfg.group_size
-        raw = np.concatenate([x["raw"] for x in rounds]).reshape(-1, G)
-        lengths = np.concatenate([x["out"].lengths for x in rounds])
+        raw = np.concatenate([x.raw for x in rounds]).reshape(-1, G)
+        lengths = np.concatenate([x.out.lengths for x in rounds])
         n_groups = raw.shape[0]
         return {
-            "reward_mean": float(np.mean(np.concatenate([x["rewards"] for x in rounds]))),
+            "reward_mean": float(np.mean(np.concatenate([x.rewards for x in rounds]))),
             "accuracy": float(np.mean(raw == 1.0)),
             "frac_all_correct": float(np.mean(np.all(raw == 1.0, axis=1))),
             "frac_all_wrong": float(np.mean(np.all(raw < 1.0, axis=1))),
@@ -215,5 +193,5 @@ class Rollout:
             "groups_short": float(shortfall),
             "completion_len_mean": float(np.mean(lengths)),
             "completion_len_max": float(np.max(lengths)),
-            "truncation_rate": float(np.mean(np.concatenate([x["out"].truncated for x in rounds]))),
+            "truncation_rate": float(np.mean(np.concatenate([x.out.truncated for x in rounds]))),
         }

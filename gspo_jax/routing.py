@@ -1,29 +1,36 @@
-"""Expert-activation drift between two routings of the same tokens, and the routing share of log-ratios.
+"""Expert-activation drift between two routings of the same tokens, the routing share of log-ratios,
+and `measure_drift`: both, for an updated policy on the batch its π_old sampled.
 
-Routings are router top-k indices `topk_LBTK` [L_moe, B, T, k] (as the model records them); `valid_BT`
-selects the tokens that count. Definitions: "MoE routing, drift and replay" in ALGORITHMS.md.
+Routings are router top-k indices `topk_BLTK` [B, L, T, K] (batch-first, as the model records them;
+L = MoE layers); `valid_BT` selects the tokens that count. Definitions: "MoE routing, drift and
+replay" in docs/ALGORITHMS.md.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import jax
 import jax.numpy as jnp
+from flax import nnx
+
+from gspo_jax import model as model_lib
 
 Array = jax.Array
 
 
-def overlap(old_LBTK: Array, new_LBTK: Array) -> Array:
-    """|S_old ∩ S_new| per (layer, token): int32 [L, B, T] (top-k entries are distinct)."""
-    same = old_LBTK[..., :, None] == new_LBTK[..., None, :]
+def overlap(old_BLTK: Array, new_BLTK: Array) -> Array:
+    """|S_old ∩ S_new| per (token, layer): int32 [B, L, T] (top-k entries are distinct)."""
+    same = old_BLTK[..., :, None] == new_BLTK[..., None, :]
     return jnp.sum(same, axis=(-2, -1)).astype(jnp.int32)
 
 
 def routing_drift(
-    old_LBTK: Array,
-    new_LBTK: Array,
+    old_BLTK: Array,
+    new_BLTK: Array,
     valid_BT: Array,
-    old_logits_LBTE: Array | None = None,
-    new_logits_LBTE: Array | None = None,
+    old_logits_BLTE: Array | None = None,
+    new_logits_BLTE: Array | None = None,
 ) -> dict[str, Array]:
     """Drift metrics (float32 scalars, plus `flip_rate_per_layer` [L]).
 
@@ -35,8 +42,9 @@ def routing_drift(
     router_kl, router_tv  KL(p_old ‖ p_new) and total variation of the full router softmax, when
                       router logits are given
     """
-    L, _, _, k = old_LBTK.shape
+    _, L, _, k = old_BLTK.shape
     valid_BT = valid_BT.astype(bool)
+    valid_B1T = valid_BT[:, None]
     n_tok = jnp.maximum(jnp.sum(valid_BT), 1).astype(jnp.float32)
     if L == 0:
         zero = jnp.zeros((), jnp.float32)
@@ -48,29 +56,29 @@ def routing_drift(
             jaccard=jnp.ones((), jnp.float32),
             flip_rate_per_layer=jnp.zeros((0,), jnp.float32),
         )
-        if old_logits_LBTE is not None:
+        if old_logits_BLTE is not None:
             out.update(router_kl=zero, router_tv=zero)
         return out
-    inter_LBT = overlap(old_LBTK, new_LBTK)
-    flipped_LBT = (inter_LBT < k) & valid_BT[None]
-    per_layer_L = jnp.sum(flipped_LBT, axis=(1, 2)) / n_tok
-    inter = jnp.where(valid_BT[None], inter_LBT, 0).astype(jnp.float32)
-    jacc_LBT = inter_LBT / (2 * k - inter_LBT)
+    inter_BLT = overlap(old_BLTK, new_BLTK)
+    flipped_BLT = (inter_BLT < k) & valid_B1T
+    per_layer_L = jnp.sum(flipped_BLT, axis=(0, 2)) / n_tok
+    inter = jnp.where(valid_B1T, inter_BLT, 0).astype(jnp.float32)
+    jacc_BLT = inter_BLT / (2 * k - inter_BLT)
     out = dict(
         slot_change_rate=1.0 - jnp.sum(inter) / (n_tok * L * k),
         router_flip_rate=jnp.mean(per_layer_L),
-        token_any_flip=jnp.sum(jnp.any(flipped_LBT, axis=0)) / n_tok,
-        flips_per_token=jnp.sum(flipped_LBT) / n_tok,
-        jaccard=jnp.sum(jnp.where(valid_BT[None], jacc_LBT, 0.0)) / (n_tok * L),
+        token_any_flip=jnp.sum(jnp.any(flipped_BLT, axis=1)) / n_tok,
+        flips_per_token=jnp.sum(flipped_BLT) / n_tok,
+        jaccard=jnp.sum(jnp.where(valid_B1T, jacc_BLT, 0.0)) / (n_tok * L),
         flip_rate_per_layer=per_layer_L.astype(jnp.float32),
     )
-    if old_logits_LBTE is not None and new_logits_LBTE is not None:
-        lp_old = jax.nn.log_softmax(old_logits_LBTE.astype(jnp.float32), axis=-1)
-        lp_new = jax.nn.log_softmax(new_logits_LBTE.astype(jnp.float32), axis=-1)
-        kl_LBT = jnp.sum(jnp.exp(lp_old) * (lp_old - lp_new), axis=-1)
-        tv_LBT = 0.5 * jnp.sum(jnp.abs(jnp.exp(lp_old) - jnp.exp(lp_new)), axis=-1)
-        mean = lambda x: jnp.sum(jnp.where(valid_BT[None], x, 0.0)) / (n_tok * L)  # noqa: E731
-        out.update(router_kl=mean(kl_LBT), router_tv=mean(tv_LBT))
+    if old_logits_BLTE is not None and new_logits_BLTE is not None:
+        lp_old = jax.nn.log_softmax(old_logits_BLTE.astype(jnp.float32), axis=-1)
+        lp_new = jax.nn.log_softmax(new_logits_BLTE.astype(jnp.float32), axis=-1)
+        kl_BLT = jnp.sum(jnp.exp(lp_old) * (lp_old - lp_new), axis=-1)
+        tv_BLT = 0.5 * jnp.sum(jnp.abs(jnp.exp(lp_old) - jnp.exp(lp_new)), axis=-1)
+        mean = lambda x: jnp.sum(jnp.where(valid_B1T, x, 0.0)) / (n_tok * L)
+        out.update(router_kl=mean(kl_BLT), router_tv=mean(tv_BLT))
     return out
 
 
@@ -94,3 +102,26 @@ def log_ratio_decomposition(
         logratio_rest_abs=jnp.sum(jnp.abs(rest)) / n,
         logratio_routing_share=jnp.where(ms_total > 0, jnp.sum(jnp.square(routing)) / n / ms_total, 0.0),
     )
+
+
+class RolloutTokens(Protocol):
+    """What `measure_drift` reads from a batch (`train.TrainBatch` has it)."""
+
+    tokens: Array  # int32 [B, T]
+    positions: Array  # int32 [B, T]
+    completion_mask: Array  # bool [B, T]
+    old_logp: Array  # float32 [B, T]: π_old's log-probs
+    topk: Array  # int32 [B, L, T, K]: π_old's routing
+
+
+def measure_drift(graphdef: nnx.GraphDef, temperature: float, params, batch: RolloutTokens) -> dict[str, Array]:
+    """How an update moved routing and log-probs on the rollout's own tokens: the routing drift of
+    π_θ (`params`) against π_old's routing in `batch`, and the log-ratio split into routing and the
+    rest (π_θ scored once with its own routing, once with π_old's replayed). Pure; jit it with
+    `graphdef` and `temperature` static."""
+    score = lambda forced: model_lib.score(graphdef, temperature, params, batch.tokens, batch.positions, forced)
+    logp_own_BT, topk_new_BLTK = score(None)
+    logp_replayed_BT, _ = score(batch.topk)
+    out = routing_drift(batch.topk, topk_new_BLTK, batch.completion_mask)
+    out.update(log_ratio_decomposition(logp_own_BT, logp_replayed_BT, batch.old_logp, batch.completion_mask))
+    return out

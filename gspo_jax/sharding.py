@@ -72,6 +72,15 @@ def param(
     return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=axes, eager_sharding=False)
 
 
+def mesh_from_config(data: int, fsdp: int, expert: int, tensor: int, devices=None) -> Mesh:
+    """`make_mesh` where one axis may be -1: it takes whatever devices the others leave."""
+    devices = list(jax.devices() if devices is None else devices)
+    sizes = dict(data=data, fsdp=fsdp, expert=expert, tensor=tensor)
+    known = math.prod(v for v in sizes.values() if v != -1)
+    sizes = {k: (len(devices) // max(known, 1) if v == -1 else v) for k, v in sizes.items()}
+    return make_mesh(**sizes, devices=devices)
+
+
 def make_mesh(data: int = 1, fsdp: int = 1, expert: int = 1, tensor: int = 1, devices=None) -> Mesh:
     """A 4-axis ("data","fsdp","expert","tensor") mesh over the first data*fsdp*expert*tensor devices."""
     sizes = (data, fsdp, expert, tensor)
@@ -122,8 +131,16 @@ def logical_to_spec(
     return P(*spec)
 
 
-def _is_var(x) -> bool:
+def is_variable(x) -> bool:
+    """`is_leaf` for trees of NNX Variables (params, their shardings)."""
     return isinstance(x, nnx.Variable)
+
+
+def path_key(path) -> tuple[str | int, ...]:
+    """A tree key path as plain names and indices, e.g. ('layers', 0, 'mlp', 'router'); a trailing
+    'value' (how some trees wrap a Variable's array) is dropped so every tree of one model agrees."""
+    keys = tuple(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))) for k in path)
+    return keys[:-1] if keys and keys[-1] == "value" else keys
 
 
 def logical_axes(state) -> Any:
@@ -131,7 +148,7 @@ def logical_axes(state) -> Any:
     return jax.tree.map(
         lambda v: v.replace(tuple(v.get_metadata().get("out_sharding") or ())),
         state,
-        is_leaf=_is_var,
+        is_leaf=is_variable,
     )
 
 
@@ -147,19 +164,7 @@ def param_shardings(mesh: Mesh, abstract_state, rules: Sequence[tuple[str, Any]]
         names = v.get_metadata().get("out_sharding") or (None,) * len(v.get_value().shape)
         return v.replace(NamedSharding(mesh, logical_to_spec(names, rules, v.get_value().shape, mesh)))
 
-    return jax.tree.map(one, abstract_state, is_leaf=_is_var)
-
-
-def _key_str(k) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
-
-
-def _norm_path(path) -> tuple[str, ...]:
-    keys = tuple(_key_str(k) for k in path)
-    return keys[:-1] if keys and keys[-1] == "value" else keys
+    return jax.tree.map(one, abstract_state, is_leaf=is_variable)
 
 
 def _fits(s: NamedSharding, shape: tuple[int, ...]) -> bool:
@@ -178,11 +183,11 @@ def opt_state_shardings(mesh: Mesh, opt_state_abstract, param_shardings_tree):
     """
     by_path: dict[tuple[str, ...], NamedSharding] = {}
     for path, s in jax.tree_util.tree_flatten_with_path(param_shardings_tree)[0]:
-        by_path[_norm_path(path)] = s
+        by_path[tuple(map(str, path_key(path)))] = s
     replicated = NamedSharding(mesh, P())
 
     def one(path, leaf):
-        keys = _norm_path(path)
+        keys = tuple(map(str, path_key(path)))
         shape = tuple(getattr(leaf, "shape", ()))
         for i in range(len(keys)):
             s = by_path.get(keys[i:])

@@ -46,7 +46,7 @@ class MetricWriter:
             return
         self.workdir.mkdir(parents=True, exist_ok=True)
         if tensorboard:
-            try:
+            try:  # optional dependency: without it, JSONL only
                 from tensorboardX import SummaryWriter
             except ImportError:
                 log.warning("tensorboardX is not installed: writing JSONL metrics only.")

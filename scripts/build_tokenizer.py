@@ -5,12 +5,8 @@ The output is deterministic; tests check the shipped files equal a fresh build.
 """
 
 import argparse
-import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from gspo_jax.tasks.tokenizer import TOKENIZER_DIR, VOCAB_SIZE, write_tokenizer_files  # noqa: E402
+from gspo_jax.tasks.tokenizer import TOKENIZER_DIR, VOCAB_SIZE, write_tokenizer_files
 
 
 def main() -> None:

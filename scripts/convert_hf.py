@@ -18,15 +18,12 @@ import argparse
 import dataclasses
 import json
 import os
-import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import orbax.checkpoint as ocp
 
-import orbax.checkpoint as ocp  # noqa: E402
-
-from gspo_jax import hf  # noqa: E402
-from gspo_jax import model as model_lib  # noqa: E402
+from gspo_jax import hf
+from gspo_jax import model as model_lib
 
 STATE_DIR = "state"
 MODEL_CONFIG = "model_config.json"

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import shutil
-import sys
 import tempfile
 from pathlib import Path
 
@@ -26,7 +25,7 @@ import numpy as np
 import torch
 import transformers
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from gspo_jax import hf
 
 B, T = 2, 7
 SEED = 0
@@ -128,8 +127,6 @@ def build(name: str, config_cls, model_cls, kwargs: dict, out_dir: Path, seed: i
 
 def check_export(fixture: Path, expected: dict, max_shard_bytes: int) -> None:
     """Our loader -> our exporter -> transformers.from_pretrained must reproduce the logits."""
-    from gspo_jax import hf
-
     cfg, _, state = hf.load_hf_checkpoint(fixture)
     model_type = json.loads((fixture / "config.json").read_text())["model_type"]
     with tempfile.TemporaryDirectory() as tmp:

@@ -12,7 +12,11 @@ import logging
 import sys
 
 from absl import app, flags
+from absl import logging as absl_logging
 from ml_collections import config_flags
+
+from gspo_jax import config as config_lib
+from gspo_jax.train import train_and_evaluate
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A configs/<algorithm>.py[:size] file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics.jsonl, TensorBoard and plots go.")
@@ -32,8 +36,6 @@ def parse_flags(argv):
 
 def main(argv):
     del argv
-    from gspo_jax import config as config_lib
-
     if _CONFIG.value is None or not _WORKDIR.value:
         print("error: --config and --workdir are required", file=sys.stderr)
         sys.exit(2)
@@ -42,13 +44,9 @@ def main(argv):
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         sys.exit(2)
-    from absl import logging as absl_logging
-
-    from gspo_jax.train import Trainer
-
     absl_logging.set_verbosity(absl_logging.INFO)
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save step at INFO
-    metrics = Trainer(_CONFIG.value, _WORKDIR.value).run(progress=_PROGRESS.value)
+    metrics = train_and_evaluate(_CONFIG.value, _WORKDIR.value, progress=_PROGRESS.value)
     keys = ("reward_mean", "accuracy", "eval_accuracy", "clip_frac", "drift_slot_change_rate")
     print("final: " + ", ".join(f"{k}={metrics[k]:.4f}" for k in keys if k in metrics))
 

@@ -8,8 +8,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gspo_jax.advantages import PRESET_ADVANTAGE_SCALE, group_advantages, informative_groups, overlong_penalty
-from gspo_jax.losses import PRESETS
+from gspo_jax.advantages import group_advantages, informative_groups, overlong_penalty
+from gspo_jax.algorithms import ALGORITHMS
 
 HYP = settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
@@ -46,8 +46,8 @@ def test_group_of_size_one_is_zero(maybe_jit, scale):
 def test_no_scaling_is_dr_grpo_centering(maybe_jit):
     a = adv(maybe_jit, [2.0, 0.0, 1.0, 1.0], 2, scale="none")
     np.testing.assert_allclose(a, [1.0, -1.0, 0.0, 0.0])
-    assert PRESET_ADVANTAGE_SCALE["dr_grpo"] == "none"
-    assert set(PRESET_ADVANTAGE_SCALE) == set(PRESETS)
+    assert ALGORITHMS["dr_grpo"].advantage_scale == "none"
+    assert {a.advantage_scale for name, a in ALGORITHMS.items() if name != "dr_grpo"} == {"group"}
 
 
 def test_batch_scaling_uses_the_std_of_all_rewards(maybe_jit):

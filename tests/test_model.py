@@ -127,8 +127,8 @@ def test_shapes_and_dtypes(maybe_jit, dtype):
     fn = maybe_jit(fwd(graphdef, return_router_logits=True))
     logits, aux = fn(state, random_tokens(0), arange_positions())
     assert logits.shape == (B, T, cfg.vocab_size) and logits.dtype == jnp.float32
-    assert aux.topk.shape == (2, B, T, cfg.top_k) and aux.topk.dtype == jnp.int32
-    assert aux.router_logits.shape == (2, B, T, cfg.num_experts) and aux.router_logits.dtype == jnp.float32
+    assert aux.topk.shape == (B, 2, T, cfg.top_k) and aux.topk.dtype == jnp.int32  # batch-first
+    assert aux.router_logits.shape == (B, 2, T, cfg.num_experts) and aux.router_logits.dtype == jnp.float32
     assert aux.lb_loss.shape == () and aux.z_loss.shape == () and aux.cache is None
     np.testing.assert_allclose(aux.aux_loss, cfg.lb_loss_coef * aux.lb_loss + cfg.z_loss_coef * aux.z_loss, rtol=1e-6)
     assert np.isfinite(np.asarray(logits)).all()
@@ -147,8 +147,8 @@ def test_dense_model_has_empty_topk(maybe_jit):
     graphdef, state = build(cfg)
     logits, aux = maybe_jit(fwd(graphdef, return_router_logits=True))(state, random_tokens(1), arange_positions())
     assert logits.shape == (B, T, cfg.vocab_size)
-    assert aux.topk.shape == (0, B, T, 3) and aux.topk.dtype == jnp.int32
-    assert aux.router_logits.shape == (0, B, T, 0)
+    assert aux.topk.shape == (B, 0, T, 3) and aux.topk.dtype == jnp.int32
+    assert aux.router_logits.shape == (B, 0, T, 0)
     assert float(aux.lb_loss) == 0.0 and float(aux.z_loss) == 0.0
 
 
@@ -189,7 +189,7 @@ def test_left_padding_matches_unpadded(maybe_jit, tiny):
         logits, aux = fn(state, tokens, positions)
         assert np.isfinite(np.asarray(logits)).all()
         np.testing.assert_allclose(logits[1, pad:], logits[0, :n], atol=1e-5, rtol=1e-5)
-        np.testing.assert_array_equal(aux.topk[:, 1, pad:], aux.topk[:, 0, :n])
+        np.testing.assert_array_equal(aux.topk[1, :, pad:], aux.topk[0, :, :n])
 
 
 def test_fully_padded_row_is_finite(maybe_jit, tiny):
@@ -210,7 +210,7 @@ def test_dropless_token_independent_of_other_rows(maybe_jit, tiny, dispatch):
     other = tokens.at[1].set(random_tokens(7, (T,)))
     logits, aux = fn(state, other, arange_positions())
     np.testing.assert_allclose(logits[0], base[0], atol=1e-6, rtol=0)
-    np.testing.assert_array_equal(aux.topk[:, 0], aux0.topk[:, 0])
+    np.testing.assert_array_equal(aux.topk[0], aux0.topk[0])
     # The other row's padding also changes nothing.
     logits, _ = fn(state, tokens, arange_positions().at[1, :4].set(-1))
     np.testing.assert_allclose(logits[0], base[0], atol=1e-6, rtol=0)
@@ -270,7 +270,9 @@ def test_prefill_then_decode_matches_full_forward(maybe_jit, tiny, dispatch):
     # Padding tokens' own outputs are arbitrary (finite); compare real tokens only.
     real = np.asarray(mask[:, :P])
     np.testing.assert_allclose(logits[real], full[:, :P][real], atol=1e-5, rtol=1e-5)
-    np.testing.assert_array_equal(aux.topk[:, real], aux_full.topk[:, :, :P][:, real])
+    np.testing.assert_array_equal(
+        aux.topk.transpose(0, 2, 1, 3)[real], aux_full.topk[:, :, :P].transpose(0, 2, 1, 3)[real]
+    )
     assert np.isfinite(np.asarray(logits)).all()
     cache = aux.cache
     assert int(cache.index) == P
@@ -336,7 +338,7 @@ def test_forcing_other_experts_changes_output(maybe_jit, tiny):
 
 def test_forced_topk_shape_checked(tiny):
     _, graphdef, state = tiny
-    with pytest.raises(ValueError, match="forced_topk"):
+    with pytest.raises(AssertionError, match="forced_topk"):  # chex shape check at the boundary
         model_lib.apply(
             graphdef, state, random_tokens(0), arange_positions(), forced_topk=jnp.zeros((1, B, T, 2), jnp.int32)
         )
@@ -425,7 +427,7 @@ def test_jit_compiles_once(tiny, compile_counter):
         lambda state, tokens, positions, forced: model_lib.apply(graphdef, state, tokens, positions, forced_topk=forced)
     )
     forced = [
-        jax.random.randint(jax.random.key(seed), (cfg.num_moe_layers, B, T, 2), 0, 4) * 2 + jnp.array([0, 1])
+        jax.random.randint(jax.random.key(seed), (B, cfg.num_moe_layers, T, 2), 0, 4) * 2 + jnp.array([0, 1])
         for seed in range(3)
     ]
     tokens = [random_tokens(seed) for seed in range(3)]

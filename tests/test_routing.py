@@ -9,8 +9,9 @@ from gspo_jax.routing import log_ratio_decomposition, overlap, routing_drift
 
 def test_hand_counted_drift(maybe_jit):
     # 2 layers, 1 sequence of 3 tokens (the last is padding), top-2 of 4 experts
-    old = np.array([[[[0, 1], [2, 3], [0, 2]]], [[[1, 3], [0, 1], [3, 2]]]], np.int32)
-    new = np.array([[[[1, 0], [2, 0], [1, 3]]], [[[1, 3], [3, 2], [0, 1]]]], np.int32)
+    # written layer by layer, then made batch-first [B, L, T, K]
+    old = np.array([[[[0, 1], [2, 3], [0, 2]]], [[[1, 3], [0, 1], [3, 2]]]], np.int32).transpose(1, 0, 2, 3)
+    new = np.array([[[[1, 0], [2, 0], [1, 3]]], [[[1, 3], [3, 2], [0, 1]]]], np.int32).transpose(1, 0, 2, 3)
     valid = np.array([[True, True, False]])
     m = maybe_jit(routing_drift)(jnp.asarray(old), jnp.asarray(new), jnp.asarray(valid))
     # overlaps on valid tokens: layer 0: 2 (same set, other order), 1; layer 1: 2, 0
@@ -24,8 +25,8 @@ def test_hand_counted_drift(maybe_jit):
 
 def test_identical_routings_have_no_drift(maybe_jit):
     rng = np.random.default_rng(0)
-    topk = jnp.asarray(np.stack([rng.permutation(8)[:2] for _ in range(3 * 4 * 5)]).reshape(3, 4, 5, 2))
-    logits = jnp.asarray(rng.normal(size=(3, 4, 5, 8)), jnp.float32)
+    topk = jnp.asarray(np.stack([rng.permutation(8)[:2] for _ in range(3 * 4 * 5)]).reshape(4, 3, 5, 2))
+    logits = jnp.asarray(rng.normal(size=(4, 3, 5, 8)), jnp.float32)
     m = maybe_jit(routing_drift)(topk, topk, jnp.ones((4, 5), bool), logits, logits)
     assert float(m["slot_change_rate"]) == 0 and float(m["router_flip_rate"]) == 0
     assert float(m["jaccard"]) == 1 and abs(float(m["router_kl"])) < 1e-6 and float(m["router_tv"]) == 0
@@ -33,8 +34,8 @@ def test_identical_routings_have_no_drift(maybe_jit):
 
 def test_router_kl_and_tv_match_numpy(maybe_jit):
     rng = np.random.default_rng(1)
-    a, b = rng.normal(size=(2, 1, 3, 4)), rng.normal(size=(2, 1, 3, 4))
-    topk = jnp.zeros((2, 1, 3, 1), jnp.int32)
+    a, b = rng.normal(size=(1, 2, 3, 4)), rng.normal(size=(1, 2, 3, 4))
+    topk = jnp.zeros((1, 2, 3, 1), jnp.int32)
     m = maybe_jit(routing_drift)(topk, topk, jnp.ones((1, 3), bool), jnp.asarray(a), jnp.asarray(b))
     pa, pb = np.exp(a) / np.exp(a).sum(-1, keepdims=True), np.exp(b) / np.exp(b).sum(-1, keepdims=True)
     assert float(m["router_kl"]) == pytest.approx(np.mean(np.sum(pa * np.log(pa / pb), -1)), rel=1e-5)

@@ -3,18 +3,22 @@ run (compile once, checkpoints, bitwise resume) and the CLI's error handling."""
 
 import json
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from gspo_jax import train
+from gspo_jax.checkpoint import Checkpointer
 from gspo_jax.config import base_config, build
-from gspo_jax.tasks import prompt_iterator
-from gspo_jax.train import Trainer
+from gspo_jax.sharding import mesh_from_config
+from gspo_jax.tasks import load_tokenizer, prompt_iterator
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,49 +29,67 @@ def tiny(algorithm="gspo", **mesh):
     return c
 
 
-def minibatch(tr: Trainer, seed=0):
+class Setup:
+    """A run's pieces, built with the trainer's own public functions."""
+
+    def __init__(self, config):
+        self.config, self.built = config, build(config)
+        self.mesh = mesh_from_config(**config.mesh)
+        self.graphdef, self.params = train.init_policy(config, self.built.model, self.mesh)
+        self.programs = train.compile_programs(config, self.built, self.graphdef, self.params, self.mesh)
+        self.mb_size = self.built.rollout.num_groups * self.built.rollout.group_size // config.train.minibatches
+
+    def state(self):
+        return train.init_train_state(self.programs, self.params, self.config.seed)
+
+    def step(self, batch: train.TrainBatch):
+        return self.programs.train_step(self.state(), jax.device_put(batch, self.programs.batch_shardings))
+
+
+def minibatch(s: Setup, seed=0) -> train.TrainBatch:
     """A random but well-formed minibatch in the trainer's layout."""
     rng = np.random.default_rng(seed)
-    B, L = tr.mb_size, tr.config.prompt_len + tr.config.max_new_tokens
-    P = tr.config.prompt_len
-    tokens = rng.integers(4, 100, (B, L)).astype(np.int32)
-    pmask = np.zeros((B, L), bool)
-    cmask = np.zeros((B, L), bool)
+    B, P = s.mb_size, s.config.prompt_len
+    T = P + s.config.max_new_tokens
+    tokens = rng.integers(4, 100, (B, T)).astype(np.int32)
+    pmask = np.zeros((B, T), bool)
+    cmask = np.zeros((B, T), bool)
     for i in range(B):
         pmask[i, P - rng.integers(3, P) : P] = True
-        cmask[i, P : P + rng.integers(1, L - P + 1)] = True
+        cmask[i, P : P + rng.integers(1, T - P + 1)] = True
     positions = jnp.where(jnp.asarray(pmask | cmask), jnp.cumsum(pmask | cmask, 1) - 1, -1).astype(jnp.int32)
-    logp, topk = tr.score(tr.params0, *jax.device_put((jnp.asarray(tokens), positions), tr.bs(2)))
-    old = np.asarray(logp) + rng.normal(0, 0.02, (B, L)).astype(np.float32) * cmask
-    return dict(
-        tokens=tokens,
-        positions=np.asarray(positions),
-        loss_mask=cmask.astype(np.float32),
-        old_logp=old.astype(np.float32),
-        ref_logp=np.asarray(logp) - 0.01,
-        advantages=rng.normal(0, 1, B).astype(np.float32),
-        topk=np.asarray(topk),
+    b2 = s.programs.batch_shardings.tokens
+    logp, topk = s.programs.score(s.params, *jax.device_put((jnp.asarray(tokens), positions), b2))
+    old = np.asarray(logp) + rng.normal(0, 0.02, (B, T)).astype(np.float32) * cmask
+    return train.TrainBatch(
+        tokens=jnp.asarray(tokens),
+        positions=positions,
+        completion_mask=jnp.asarray(cmask),
+        loss_mask=jnp.asarray(cmask, jnp.float32),
+        old_logp=jnp.asarray(old, jnp.float32),
+        ref_logp=jnp.asarray(logp) - 0.01,
+        advantages=jnp.asarray(rng.normal(0, 1, B), jnp.float32),
+        topk=jnp.asarray(topk),
     )
 
 
-def step(tr: Trainer, batch):
-    state = tr.init_state(tr.params0)
-    return tr.train_step(state, jax.device_put({k: jnp.asarray(v) for k, v in batch.items()}, tr.batch_sh))
+def values(metrics):
+    return {k: float(m.compute()) for k, m in metrics.items()}
 
 
 @pytest.mark.parametrize("algorithm", ["grpo", "gspo"])
 def test_sharded_train_step_equals_single_device(algorithm):
-    single = Trainer(tiny(algorithm), "/tmp/unused_single")
-    sharded = Trainer(tiny(algorithm, data=2, expert=2, tensor=2), "/tmp/unused_sharded")
+    single = Setup(tiny(algorithm))
+    sharded = Setup(tiny(algorithm, data=2, expert=2, tensor=2))
     assert sharded.mesh.devices.size == 8
     batch = minibatch(single)
-    s1, m1 = step(single, batch)
-    s2, m2 = step(sharded, batch)
+    s1, m1 = single.step(batch)
+    s2, m2 = sharded.step(batch)
+    m1, m2 = values(m1), values(m2)
     for k in ("loss", "total_loss", "grad_norm", "clip_frac"):
         np.testing.assert_allclose(m1[k], m2[k], rtol=1e-5, atol=1e-7, err_msg=k)
-    for a, b in zip(jax.tree.leaves(s1["params"]), jax.tree.leaves(s2["params"])):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
-    leaf = jax.tree.leaves(s2["params"])[0]
+    chex.assert_trees_all_close(s1.params, s2.params, rtol=1e-5, atol=1e-6)
+    leaf = jax.tree.leaves(s2.params)[0]
     assert len(leaf.sharding.device_set) > 1  # really sharded
 
 
@@ -77,54 +99,84 @@ def test_microbatches_give_the_same_update(algorithm):
     statistics, not additive over micro-batches, so they are switched off for the identity."""
     c = tiny(algorithm)
     c.model.update(lb_loss_coef=0.0, z_loss_coef=0.0)
-    one = Trainer(c, "/tmp/unused1")
+    one = Setup(c)
     c2 = tiny(algorithm)
     c2.model.update(lb_loss_coef=0.0, z_loss_coef=0.0)
     c2.train.microbatches = 2
-    two = Trainer(c2, "/tmp/unused2")
+    two = Setup(c2)
     batch = minibatch(one, seed=1)
-    s1, m1 = step(one, batch)
-    s2, m2 = step(two, batch)
-    for k in ("total_loss", "loss", "policy_loss", "kl_loss", "grad_norm"):
+    s1, m1 = one.step(batch)
+    s2, m2 = two.step(batch)
+    m1, m2 = values(m1), values(m2)
+    for k in ("total_loss", "loss", "policy_loss", "kl_loss", "grad_norm", "clip_frac", "approx_kl", "num_tokens"):
         np.testing.assert_allclose(m1[k], m2[k], rtol=1e-5, atol=1e-8, err_msg=k)
-    for a, b in zip(jax.tree.leaves(s1["params"]), jax.tree.leaves(s2["params"])):
-        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+    chex.assert_trees_all_close(s1.params, s2.params, rtol=1e-5, atol=1e-6)
 
 
 def test_non_finite_loss_skips_the_update():
-    tr = Trainer(tiny("grpo"), "/tmp/unused3")
-    batch = minibatch(tr, seed=2)
-    batch["advantages"][0] = np.nan
-    state = tr.init_state(tr.params0)
+    s = Setup(tiny("grpo"))
+    batch = minibatch(s, seed=2)
+    batch = batch.replace(advantages=batch.advantages.at[0].set(jnp.nan))
+    state = s.state()
     before = jax.tree.map(np.asarray, state)
-    new, m = tr.train_step(state, jax.device_put({k: jnp.asarray(v) for k, v in batch.items()}, tr.batch_sh))
-    assert float(m["skipped"]) == 1.0 and int(new["step"]) == 0
-    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(new)):
-        np.testing.assert_array_equal(a, b)
+    new, m = s.programs.train_step(state, jax.device_put(batch, s.programs.batch_shardings))
+    assert float(m["skipped"].compute()) == 1.0 and int(new.step) == 0
+    chex.assert_trees_all_equal(jax.tree.map(np.asarray, new), before)
 
 
-def _final_params(tr):
-    return [np.asarray(x) for x in jax.tree.leaves(tr.state["params"])]
+def test_train_state_is_donated_to_the_step():
+    s = Setup(tiny("gspo"))
+    state = s.state()
+    s.programs.train_step(state, jax.device_put(minibatch(s), s.programs.batch_shardings))
+    assert all(x.is_deleted() for x in jax.tree.leaves(state.params))
+
+
+def _metrics(workdir):
+    return [json.loads(x) for x in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+
+
+def _final_params(workdir, config):
+    """The params of the newest checkpoint in `workdir`, as numpy arrays."""
+    s = Setup(config)
+    with Checkpointer(Path(workdir) / "checkpoints") as ckpt:
+        restored = train.resume(ckpt, s.state(), _prompts(s))
+    return [np.asarray(x) for x in jax.tree.leaves(restored[1].params)]
+
+
+def _prompts(s: Setup):
+    return prompt_iterator(s.built.task, seed=s.config.seed, split="train")
+
+
+def _sigterm_after(monkeypatch, iteration):
+    """Makes `train.rl_iteration` "preempt" the run (SIGTERM) once `iteration` (0-based) finishes."""
+    original = train.rl_iteration
+
+    def iteration_then_sigterm(programs, rollout, config, state, prompts, it, *args):
+        out = original(programs, rollout, config, state, prompts, it, *args)
+        if it == iteration:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return out
+
+    monkeypatch.setattr(train, "rl_iteration", iteration_then_sigterm)
 
 
 @pytest.mark.slow
-def test_tiny_end_to_end_compiles_once_checkpoints_and_resumes_bitwise(tmp_path, compile_counter):
+def test_tiny_end_to_end_compiles_once_checkpoints_and_resumes_bitwise(tmp_path, compile_counter, monkeypatch):
     c = tiny("grpo")  # KL to the reference: exercises the ref model path too
-    full = Trainer(c, tmp_path / "full")
-    full.run(progress=False)
+    train.train_and_evaluate(c, tmp_path / "full", progress=False)
 
-    part = Trainer(c, tmp_path / "resumed")
-    part.run(max_iterations=1, progress=False)  # "interrupted" after iteration 1
+    with monkeypatch.context() as m:
+        _sigterm_after(m, 0)  # "interrupted" after iteration 1
+        train.train_and_evaluate(c, tmp_path / "resumed", progress=False)
     compile_counter.reset()
-    part.run(progress=False)  # same process, same compiled functions: resumes, compiles nothing
+    train.train_and_evaluate(c, tmp_path / "resumed", progress=False)  # same process: resumes, compiles nothing
     assert compile_counter.count == 0
-    fresh = Trainer(c, tmp_path / "resumed")  # and a fresh trainer on the workdir resumes too
-    assert fresh.run(progress=False) == {}  # nothing left to do
+    assert train.train_and_evaluate(c, tmp_path / "resumed", progress=False) == {}  # nothing left to do
 
-    for a, b in zip(_final_params(full), _final_params(part)):
+    for a, b in zip(_final_params(tmp_path / "full", c), _final_params(tmp_path / "resumed", c)):
         np.testing.assert_array_equal(a, b)  # bitwise
 
-    lines = [json.loads(x) for x in (tmp_path / "full" / "metrics.jsonl").read_text().splitlines()]
+    lines = _metrics(tmp_path / "full")
     last = {r["step"]: r for r in lines}
     assert sorted(last) == [0, 1, 2, 3]
     for r in lines[1:]:
@@ -132,7 +184,7 @@ def test_tiny_end_to_end_compiles_once_checkpoints_and_resumes_bitwise(tmp_path,
             assert np.isfinite(r[k]), (k, r[k])
     assert lines[1]["xla_compiles"] > 0  # the first iteration compiles ...
     assert [r["xla_compiles"] for r in lines[2:]] == [0.0, 0.0]  # ... and nothing compiles after it
-    resumed = {r["step"]: r for r in map(json.loads, (tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines())}
+    resumed = {r["step"]: r for r in _metrics(tmp_path / "resumed")}
     for s in (1, 2, 3):
         assert resumed[s]["loss"] == last[s]["loss"] and resumed[s]["reward_mean"] == last[s]["reward_mean"]
     assert any((tmp_path / "full" / "checkpoints").iterdir())
@@ -184,40 +236,32 @@ def test_every_config_builds(name, size):
 
 @pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_stops_at_the_iteration_boundary(tmp_path, monkeypatch):
-    import signal
-
-    from gspo_jax.checkpoint import Checkpointer
-
-    original = Trainer.iteration
-
-    def iteration_then_sigterm(self, *args, **kwargs):
-        out = original(self, *args, **kwargs)
-        os.kill(os.getpid(), signal.SIGTERM)  # "preempted" while iteration 1 finishes
-        return out
-
-    monkeypatch.setattr(Trainer, "iteration", iteration_then_sigterm)
+    _sigterm_after(monkeypatch, 0)  # "preempted" while iteration 1 finishes
     c = tiny("dapo")
     c.train.checkpoint_every = 100  # only the preemption save can write step 1
-    Trainer(c, tmp_path).run(progress=False)
+    train.train_and_evaluate(c, tmp_path, progress=False)
     assert Checkpointer(tmp_path / "checkpoints").all_steps() == [1]
-    steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [0, 1]
+    assert [r["step"] for r in _metrics(tmp_path)] == [0, 1]
 
 
 def test_training_starts_from_a_hugging_face_checkpoint(tmp_path):
     from gspo_jax import hf
+    from gspo_jax.rollout import Rollout
+    from gspo_jax.sampler import Sampler
 
     ckpt = ROOT / "tests" / "fixtures" / "qwen3_moe_tiny"
     c = tiny("gspo")
     c.hf_checkpoint = str(ckpt)
     c.warm_start.steps = 0
-    tr = Trainer(c, tmp_path)
+    s = Setup(c)
     cfg, _, state = hf.load_hf_checkpoint(ckpt)
-    assert tr.built.model.num_experts == cfg.num_experts and tr.built.model.embed_dim == cfg.embed_dim
-    for a, b in zip(jax.tree.leaves(tr.params0), jax.tree.leaves(state)):
-        np.testing.assert_array_equal(a, b)
-    state, metrics = tr.iteration(tr.init_state(tr.params0), prompt_iterator(tr.built.task, split="train"), 0)
-    assert np.isfinite(metrics["loss"]) and int(state["step"]) == c.train.minibatches
+    assert s.built.model.num_experts == cfg.num_experts and s.built.model.embed_dim == cfg.embed_dim
+    chex.assert_trees_all_equal(s.params, state)
+    B = s.built.rollout.num_groups * s.built.rollout.group_size
+    sampler = Sampler(s.graphdef, s.built.model, B, c.prompt_len, c.max_new_tokens, mesh=s.mesh, state=s.params)
+    rollout = Rollout(sampler, s.built.task, load_tokenizer(), s.built.rollout)
+    new, metrics = train.rl_iteration(s.programs, rollout, c, s.state(), _prompts(s), 0)
+    assert np.isfinite(metrics["loss"]) and int(new.step) == c.train.minibatches
     bad = tiny("gspo")
     bad.hf_checkpoint = str(tmp_path / "missing")
     with pytest.raises(ValueError, match="hf_checkpoint"):

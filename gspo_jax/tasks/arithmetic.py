@@ -13,7 +13,8 @@ import numpy as np
 
 from gspo_jax.tasks import expressions
 from gspo_jax.tasks.answers import answer_text, format_answer, parse_int
-from gspo_jax.tasks.base import Example, VerifiableTask, check_int
+from gspo_jax.tasks.base import Example, VerifiableTask
+from gspo_jax.validation import check, check_int
 
 ALLOWED_OPS = "+-*"
 
@@ -29,11 +30,13 @@ class ArithmeticTask(VerifiableTask):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        object.__setattr__(self, "digits", check_int("digits", self.digits, 1, 18))
-        object.__setattr__(self, "operands", check_int("operands", self.operands, 2, 8))
+        check_int("ArithmeticTask", "digits", self.digits, 1, 18)
+        check_int("ArithmeticTask", "operands", self.operands, 2, 8)
+        object.__setattr__(self, "digits", int(self.digits))
+        object.__setattr__(self, "operands", int(self.operands))
         ops = self.ops
-        if not isinstance(ops, str) or not ops or any(op not in ALLOWED_OPS for op in ops) or len(set(ops)) != len(ops):
-            raise ValueError(f"ops must be a non-empty string of distinct operators from {ALLOWED_OPS!r}, got {ops!r}")
+        ok = isinstance(ops, str) and ops and all(op in ALLOWED_OPS for op in ops) and len(set(ops)) == len(ops)
+        check(ok, "ArithmeticTask", "ops", ops, f"a non-empty string of distinct operators from {ALLOWED_OPS!r}")
 
     def sample(self, rng: np.random.Generator) -> Example:
         low = 0 if self.digits == 1 else 10 ** (self.digits - 1)

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-import numbers
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
+
+from gspo_jax.validation import check, check_number
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +49,8 @@ class VerifiableTask(abc.ABC):
 
     def __post_init__(self) -> None:
         fr = self.format_reward
-        if isinstance(fr, bool) or not isinstance(fr, numbers.Real) or not 0.0 <= fr < 1.0:
-            raise ValueError(f"format_reward must be a number in [0, 1), got {fr!r}")
+        check_number(type(self).__name__, "format_reward", fr, low=0.0)
+        check(fr < 1.0, type(self).__name__, "format_reward", fr, "a number in [0, 1)")
         object.__setattr__(self, "format_reward", float(fr))
 
     @abc.abstractmethod
@@ -74,13 +75,3 @@ class VerifiableTask(abc.ABC):
         if answer is None:
             return 0.0
         return 1.0 if self.is_correct(answer, example) else self.format_reward
-
-
-def check_int(name: str, value: object, low: int, high: int | None = None) -> int:
-    """Validates a difficulty knob: an integer in [low, high]; ValueError naming the field otherwise."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
-    if value < low or (high is not None and value > high):
-        bounds = f">= {low}" if high is None else f"in [{low}, {high}]"
-        raise ValueError(f"{name} must be {bounds}, got {value!r}")
-    return int(value)

@@ -21,7 +21,8 @@ import numpy as np
 
 from gspo_jax.tasks import expressions
 from gspo_jax.tasks.answers import answer_text, format_answer
-from gspo_jax.tasks.base import Example, VerifiableTask, check_int
+from gspo_jax.tasks.base import Example, VerifiableTask
+from gspo_jax.validation import check, check_int
 
 _ATOM, _MUL, _ADD = 0, 1, 2  # precedence of an expression's top operator, for minimal parentheses
 _MAX_ATTEMPTS = 1000
@@ -102,13 +103,15 @@ class CountdownTask(VerifiableTask):
 
     def __post_init__(self) -> None:
         super().__post_init__()
-        object.__setattr__(self, "count", check_int("count", self.count, 2, 5))
-        object.__setattr__(self, "max_number", check_int("max_number", self.max_number, 2, 1000))
-        object.__setattr__(self, "target_min", check_int("target_min", self.target_min, 1))
-        object.__setattr__(self, "target_max", check_int("target_max", self.target_max, self.target_min, 10**6))
+        own = "CountdownTask"
+        check_int(own, "count", self.count, 2, 5)
+        check_int(own, "max_number", self.max_number, 2, 1000)
+        check_int(own, "target_min", self.target_min, 1)
+        check_int(own, "target_max", self.target_max, self.target_min, 10**6)
+        for name in ("count", "max_number", "target_min", "target_max"):
+            object.__setattr__(self, name, int(getattr(self, name)))
         for name in ("allow_division", "use_all"):
-            if not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be a bool, got {getattr(self, name)!r}")
+            check(isinstance(getattr(self, name), bool), own, name, getattr(self, name), "True or False")
 
     @property
     def ops(self) -> str:

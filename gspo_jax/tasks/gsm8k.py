@@ -20,6 +20,7 @@ import numpy as np
 from gspo_jax.tasks.answers import ANSWER_MARKER, answer_text, format_answer
 from gspo_jax.tasks.base import Example, VerifiableTask
 from gspo_jax.tasks.matching import answers_match
+from gspo_jax.validation import fail
 
 FIXTURE_PATH = Path(__file__).resolve().parent / "data" / "gsm8k_fixture.jsonl"
 
@@ -30,7 +31,7 @@ def load_records(path: str | os.PathLike) -> list[dict]:
     """Reads a .jsonl (or .json list) file, or a .parquet file when pyarrow is available."""
     path = Path(path)
     if path.suffix == ".parquet":
-        try:
+        try:  # optional dependency: only .parquet files need it
             import pyarrow.parquet as pq
         except ImportError as err:
             raise ImportError(f"reading {path} needs pyarrow; use a .jsonl file instead") from err
@@ -71,12 +72,12 @@ class DatasetTask(VerifiableTask):
         super().__post_init__()
         path = FIXTURE_PATH if self.path is None else Path(self.path)
         if not path.is_file():
-            raise ValueError(f"path: no such file {str(path)!r}")
+            fail("DatasetTask", "path", str(path), "an existing JSONL file")
         if "{question}" not in self.prompt_template:
-            raise ValueError(f"prompt_template must contain '{{question}}', got {self.prompt_template!r}")
+            fail("DatasetTask", "prompt_template", self.prompt_template, "it must contain '{question}'")
         records = load_records(path)
         if not records:
-            raise ValueError(f"path: {str(path)!r} holds no records")
+            fail("DatasetTask", "path", str(path), "a JSONL file with at least one record")
         for i, record in enumerate(records):
             for key in (self.question_key, self.answer_key):
                 if not isinstance(record.get(key), str):

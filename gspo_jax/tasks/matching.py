@@ -72,7 +72,7 @@ def math_verify_match(pred: str, gold: str) -> bool | None:
     """math-verify's verdict, or None where it cannot run (not installed, not the main thread, raised)."""
     if threading.current_thread() is not threading.main_thread():
         return None
-    try:
+    try:  # optional at run time: the plain comparison still works without math-verify
         from math_verify import parse, verify
     except ImportError:
         return None

@@ -20,6 +20,7 @@ from collections.abc import Iterator
 import numpy as np
 
 from gspo_jax.tasks.base import Example, Task
+from gspo_jax.validation import check, check_choice
 
 SPLITS = ("train", "eval", "all")
 DEFAULT_HOLDOUT = 1 / 16
@@ -33,10 +34,8 @@ def in_holdout(prompt: str, holdout: float = DEFAULT_HOLDOUT) -> bool:
 
 
 def _check_split(split: str, holdout: float) -> None:
-    if split not in SPLITS:
-        raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    if not 0.0 < holdout < 1.0:
-        raise ValueError(f"holdout must be in (0, 1), got {holdout!r}")
+    check_choice("prompt_iterator", "split", split, SPLITS)
+    check(0.0 < holdout < 1.0, "prompt_iterator", "holdout", holdout, "a number in (0, 1)")
 
 
 def _in_split(prompt: str, split: str, holdout: float) -> bool:
@@ -59,6 +58,19 @@ class _PromptIterator(Iterator[Example]):
     def next_batch(self, n: int) -> list[Example]:
         """The next `n` examples."""
         return [next(self) for _ in range(n)]
+
+    def state(self) -> dict[str, int]:
+        raise NotImplementedError
+
+    def restore(self, state: dict) -> None:
+        raise NotImplementedError
+
+    @classmethod
+    def from_state(cls, task: Task, state: dict, **kwargs):
+        """An iterator positioned where `state` (from `state()`) says."""
+        it = cls(task, **kwargs)
+        it.restore(state)
+        return it
 
 
 class TaskPrompts(_PromptIterator):
@@ -89,12 +101,6 @@ class TaskPrompts(_PromptIterator):
     def restore(self, state: dict) -> None:
         state = _check_state(state, ("seed", "index"))
         self.seed, self.index = state["seed"], state["index"]
-
-    @classmethod
-    def from_state(cls, task: Task, state: dict, **kwargs) -> TaskPrompts:
-        it = cls(task, **kwargs)
-        it.restore(state)
-        return it
 
 
 class DatasetPrompts(_PromptIterator):
@@ -138,12 +144,6 @@ class DatasetPrompts(_PromptIterator):
             raise ValueError(f"state['position'] must be <= {len(self.indices)}, got {state['position']}")
         self.seed, self.epoch, self.position = state["seed"], state["epoch"], state["position"]
         self._order_epoch = -1
-
-    @classmethod
-    def from_state(cls, task: Task, state: dict, **kwargs) -> DatasetPrompts:
-        it = cls(task, **kwargs)
-        it.restore(state)
-        return it
 
 
 def prompt_iterator(

@@ -8,6 +8,7 @@ from gspo_jax.tasks.arithmetic import ArithmeticTask
 from gspo_jax.tasks.base import Task
 from gspo_jax.tasks.countdown import CountdownTask
 from gspo_jax.tasks.gsm8k import DatasetTask
+from gspo_jax.validation import check_choice, fail
 
 TASKS: dict[str, type] = {
     "arithmetic": ArithmeticTask,
@@ -22,11 +23,10 @@ def make_task(name: str, **kwargs) -> Task:
     Raises ValueError naming the allowed task names for an unknown name, the allowed fields for an
     unknown keyword, and the offending field for an invalid value.
     """
-    if name not in TASKS:
-        raise ValueError(f"unknown task {name!r}; allowed: {', '.join(sorted(TASKS))}")
+    check_choice("task", "name", name, sorted(TASKS))
     cls = TASKS[name]
     allowed = sorted(f.name for f in dataclasses.fields(cls) if f.init)
     unknown = sorted(set(kwargs) - set(allowed))
     if unknown:
-        raise ValueError(f"unknown field(s) {unknown} for task {name!r}; allowed: {', '.join(allowed)}")
+        fail("task", ",".join(unknown), name, f"task {name!r} has the fields {', '.join(allowed)}")
     return cls(**kwargs)

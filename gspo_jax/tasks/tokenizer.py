@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from tokenizers import AddedToken, Tokenizer, decoders, models
+from transformers import AutoTokenizer, PreTrainedTokenizerFast
 
 # Special tokens, in id order: <pad> is 0 so zero-initialised buffers are padding.
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
@@ -85,8 +86,6 @@ def load_tokenizer(path: str | os.PathLike | None = None):
     from a tokenizer_config.json beside it, if any); or a directory / Hub name, loaded with
     `AutoTokenizer.from_pretrained` (e.g. a local Qwen checkpoint directory).
     """
-    from transformers import AutoTokenizer, PreTrainedTokenizerFast
-
     if path is None:
         path = TOKENIZER_DIR / "tokenizer.json"
     path = Path(path)

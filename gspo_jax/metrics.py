@@ -1,0 +1,141 @@
+"""Metrics that say in their type how they combine, so pieces of one batch (micro-batches, shards)
+merge without a list of names, as Tunix's losses return a numerator and a denominator.
+
+- `Mean(total, count)`: a ratio whose pieces add: total / count after merging (a loss is its
+  numerator over its denominator; a fraction is hits over tokens); `empty` when nothing counted.
+- `Sum(total)`: pieces of one value that add (a loss already divided by the global denominator, a
+  token count).
+- `Min(value, count)` / `Max(value, count)`: extremes over the entries counted; `empty` when none.
+- `Count(total)`: a tally of events that adds across updates too (skipped updates).
+
+All are pytrees (jit-friendly). `merge` combines two trees of metrics, `reduce` a stacked tree (e.g.
+the outputs of a `lax.scan` over micro-batches), `compute` turns a tree into plain values. Across the
+optimizer steps of an iteration each update weighs the same: `per_update` recasts one update's
+metrics as `Mean(value, 1)` (a `Count` stays a `Count`), so an iteration reports the mean over its
+updates and the total of its counts.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import struct
+
+
+@struct.dataclass
+class Mean:
+    total: Any
+    count: Any
+    empty: float = struct.field(pytree_node=False, default=0.0)
+
+    def merge(self, other: Mean) -> Mean:
+        return Mean(self.total + other.total, self.count + other.count, self.empty)
+
+    def reduce(self) -> Mean:
+        return Mean(jnp.sum(self.total, axis=0), jnp.sum(self.count, axis=0), self.empty)
+
+    def compute(self):
+        if isinstance(self.count, jax.Array):  # on device (and under jit)
+            return jnp.where(self.count > 0, self.total / jnp.maximum(self.count, 1), self.empty)
+        return self.total / self.count if self.count > 0 else self.empty  # host floats (float64)
+
+
+@struct.dataclass
+class Sum:
+    total: Any
+
+    def merge(self, other: Sum) -> Sum:
+        return Sum(self.total + other.total)
+
+    def reduce(self) -> Sum:
+        return Sum(jnp.sum(self.total, axis=0))
+
+    def compute(self):
+        return self.total
+
+
+@struct.dataclass
+class Min:
+    value: Any
+    count: Any
+    empty: float = struct.field(pytree_node=False, default=0.0)
+
+    def merge(self, other: Min) -> Min:
+        return Min(_pick(self, other, jnp.minimum), self.count + other.count, self.empty)
+
+    def reduce(self) -> Min:
+        value = jnp.min(jnp.where(self.count > 0, self.value, jnp.inf), axis=0)
+        return Min(value, jnp.sum(self.count, axis=0), self.empty)
+
+    def compute(self):
+        return jnp.where(self.count > 0, self.value, self.empty)
+
+
+@struct.dataclass
+class Max:
+    value: Any
+    count: Any
+    empty: float = struct.field(pytree_node=False, default=0.0)
+
+    def merge(self, other: Max) -> Max:
+        return Max(_pick(self, other, jnp.maximum), self.count + other.count, self.empty)
+
+    def reduce(self) -> Max:
+        value = jnp.max(jnp.where(self.count > 0, self.value, -jnp.inf), axis=0)
+        return Max(value, jnp.sum(self.count, axis=0), self.empty)
+
+    def compute(self):
+        return jnp.where(self.count > 0, self.value, self.empty)
+
+
+@struct.dataclass
+class Count:
+    total: Any
+
+    def merge(self, other: Count) -> Count:
+        return Count(self.total + other.total)
+
+    def reduce(self) -> Count:
+        return Count(jnp.sum(self.total, axis=0))
+
+    def compute(self):
+        return self.total
+
+
+Metric = Mean | Sum | Min | Max | Count
+_TYPES = (Mean, Sum, Min, Max, Count)
+
+
+def _pick(a, b, fn):
+    """fn over the two values, ignoring a side that counted nothing."""
+    return jnp.where(a.count > 0, jnp.where(b.count > 0, fn(a.value, b.value), a.value), b.value)
+
+
+def is_metric(x) -> bool:
+    return isinstance(x, _TYPES)
+
+
+def merge(a, b):
+    """Two trees of metrics (same structure) merged leaf by leaf, each by its own rule."""
+    return jax.tree.map(lambda x, y: x.merge(y), a, b, is_leaf=is_metric)
+
+
+def reduce(stacked):
+    """A tree of metrics stacked along a leading axis (e.g. by `lax.scan`) merged over that axis."""
+    return jax.tree.map(lambda m: m.reduce(), stacked, is_leaf=is_metric)
+
+
+def compute(tree):
+    """Plain values: every metric in `tree` replaced by its value (other leaves kept)."""
+    return jax.tree.map(lambda m: m.compute() if is_metric(m) else m, tree, is_leaf=is_metric)
+
+
+def per_update(tree):
+    """One optimizer step's metrics as it enters an iteration's report: each step weighs 1."""
+
+    def one(m):
+        return m if isinstance(m, Count) else Mean(m.compute(), 1)
+
+    return jax.tree.map(one, tree, is_leaf=is_metric)

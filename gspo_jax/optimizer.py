@@ -1,0 +1,74 @@
+"""The optimizer of a run (RL updates and the supervised warm start alike): AdamW on a linear-warmup,
+cosine-decay schedule, after optional global-norm clipping; and its state, initialised on the mesh."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Mapping
+
+import jax
+import optax
+
+from gspo_jax import sharding as sharding_lib
+from gspo_jax.validation import check, check_int, check_number
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    """Hashable (a static jit argument); `from_config` picks its fields out of a config section."""
+
+    learning_rate: float
+    warmup_steps: int = 0
+    end_lr_factor: float = 0.1  # the cosine decays to end_lr_factor × learning_rate
+    weight_decay: float = 0.0
+    max_grad_norm: float = 0.0  # 0: no clipping
+    b1: float = 0.9
+    b2: float = 0.999
+    owner: str = dataclasses.field(default="OptimizerConfig", compare=False, repr=False)  # for error messages
+
+    def __post_init__(self):
+        own = self.owner
+        check_number(own, "learning_rate", self.learning_rate, low=0.0, strict=True)
+        check_int(own, "warmup_steps", self.warmup_steps, low=0)
+        check_number(own, "end_lr_factor", self.end_lr_factor, low=0.0)
+        check_number(own, "weight_decay", self.weight_decay, low=0.0)
+        check_number(own, "max_grad_norm", self.max_grad_norm, low=0.0)
+        for f in ("b1", "b2"):
+            v = getattr(self, f)
+            check_number(own, f, v, low=0.0)
+            check(v < 1, own, f, v, "it must be in [0, 1)")
+
+    @classmethod
+    def from_config(cls, section: Mapping, owner: str) -> OptimizerConfig:
+        names = [f.name for f in dataclasses.fields(cls) if f.name != "owner"]
+        return cls(**{k: section[k] for k in names if k in section}, owner=owner)
+
+
+@functools.cache
+def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
+    """AdamW with linear warmup then cosine decay to end_lr_factor·lr over `total_steps` updates.
+
+    Cached: equal configs give the same (stateless) transformation, so functions jitted with it as a
+    static argument compile once per process."""
+    schedule = optax.warmup_cosine_decay_schedule(
+        0.0,
+        cfg.learning_rate,
+        max(cfg.warmup_steps, 1),
+        max(total_steps, cfg.warmup_steps + 1),
+        end_value=cfg.learning_rate * cfg.end_lr_factor,
+    )
+    adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay)
+    if cfg.max_grad_norm > 0:
+        return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
+    return adamw
+
+
+def state_shardings(tx: optax.GradientTransformation, params, param_shardings, mesh):
+    """Shardings of `tx`'s state: moments sharded like their parameters, counters replicated."""
+    return sharding_lib.opt_state_shardings(mesh, jax.eval_shape(tx.init, params), param_shardings)
+
+
+def init_state(tx: optax.GradientTransformation, params, param_shardings, shardings):
+    """`tx`'s state for `params`, created directly in `shardings` (no host or single-device copy)."""
+    return jax.jit(tx.init, in_shardings=(param_shardings,), out_shardings=shardings)(params)

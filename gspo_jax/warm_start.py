@@ -1,0 +1,109 @@
+"""Supervised warm start: a few hundred steps of cross-entropy on the task's demonstrations, so RL
+starts from a policy that solves some prompts (a random one never earns a reward). Its optimizer
+comes from `config.warm_start`; the result is cached in the workdir (or `warm_start.cache_dir`)
+through the project's checkpoint module, keyed by everything that determines it.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import ml_collections
+import numpy as np
+import optax
+
+from gspo_jax import losses
+from gspo_jax import model as model_lib
+from gspo_jax import optimizer as optimizer_lib
+from gspo_jax import sharding as sharding_lib
+from gspo_jax.checkpoint import Checkpointer
+from gspo_jax.rollout import Rollout
+from gspo_jax.tasks import prompt_iterator
+
+
+def sft_step(graphdef, tx, params, opt_state, tokens_BT, positions_BT, mask_BT):
+    """One supervised step: mean token cross-entropy on the demonstration tokens (+ MoE aux losses)."""
+
+    def loss_fn(p):
+        logits_BTV, aux = model_lib.apply(graphdef, p, tokens_BT, positions_BT)
+        logp_BT = losses.sequence_logprobs(logits_BTV, tokens_BT)
+        return -jnp.sum(logp_BT * mask_BT) / jnp.maximum(jnp.sum(mask_BT), 1.0) + aux.aux_loss
+
+    loss, grads = jax.value_and_grad(loss_fn)(params)
+    updates, opt_state = tx.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+
+def cache_key(config: ml_collections.ConfigDict) -> str:
+    """A hash of what the warm start depends on: model, task, its own settings, seed and lengths."""
+    c = config
+    ws = {k: v for k, v in c.warm_start.items() if k != "cache_dir"}
+    blob = json.dumps(
+        dict(model=c.model.to_dict(), task=c.task.to_dict(), ws=ws, seed=c.seed, P=c.prompt_len, N=c.max_new_tokens),
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def warm_start(
+    config: ml_collections.ConfigDict, graphdef, params, *, mesh, rollout: Rollout, workdir: Path
+) -> tuple[Any, dict[str, float]]:
+    """The warm-started parameters (sharded like `params`) and what to log about it; from the cache
+    when an identical warm start already ran. `warm_start.steps = 0` returns `params` as they are."""
+    w = config.warm_start
+    if w.steps == 0:
+        return params, {}
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
+    cache = Path(w.cache_dir or workdir) / f"warm_start_{cache_key(config)}"
+    with Checkpointer(cache, max_to_keep=1, async_save=False) as ckpt:
+        restored = ckpt.restore_latest(abstract)
+        if restored is not None:
+            _, params, info = restored
+            return params, {**info, "warm_start_cached": 1.0}
+        params, info = train_on_demonstrations(config, graphdef, params, mesh=mesh, rollout=rollout)
+        ckpt.save(w.steps, params, info, force=True)
+    return params, info
+
+
+def train_on_demonstrations(config, graphdef, params, *, mesh, rollout: Rollout) -> tuple[Any, dict[str, float]]:
+    """`warm_start.steps` supervised steps on batches of (prompt, demonstration + EOS)."""
+    w, task, tokenizer = config.warm_start, rollout.task, rollout.tokenizer
+    tx = optimizer_lib.make_optimizer(optimizer_lib.OptimizerConfig.from_config(w, "config.warm_start"), w.steps)
+    param_sh = jax.tree.map(lambda x: x.sharding, params)
+    opt_sh = optimizer_lib.state_shardings(tx, params, param_sh, mesh)
+    opt_state = optimizer_lib.init_state(tx, params, param_sh, opt_sh)
+    b2 = sharding_lib.batch_sharding(mesh, 2)
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    step = jax.jit(
+        functools.partial(sft_step, graphdef, tx),
+        donate_argnums=(0, 1),
+        in_shardings=(param_sh, opt_sh, b2, b2, b2),
+        out_shardings=(param_sh, opt_sh, rep),
+    )
+    it = prompt_iterator(task, seed=config.seed + 2, split="train")
+    C, eos = config.max_new_tokens, tokenizer.eos_token_id
+    sft_losses = []
+    for _ in range(w.steps):
+        examples = it.next_batch(w.batch_size)
+        prompt_BP, pmask_BP = rollout.encode_prompts([e.prompt for e in examples])
+        comp_BC = np.zeros((w.batch_size, C), np.int32)
+        cmask_BC = np.zeros((w.batch_size, C), bool)
+        for i, e in enumerate(examples):
+            ids = tokenizer.encode(task.demonstration(e), add_special_tokens=False)[: C - 1] + [eos]
+            comp_BC[i, : len(ids)], cmask_BC[i, : len(ids)] = ids, True
+        tokens_BT = jnp.asarray(np.concatenate([prompt_BP, comp_BC], 1))
+        pm_BT = np.concatenate([pmask_BP, np.zeros_like(cmask_BC)], 1)
+        cm_BT = np.concatenate([np.zeros_like(pmask_BP), cmask_BC], 1)
+        positions_BT = model_lib.positions_from_mask(jnp.asarray(pm_BT) | jnp.asarray(cm_BT))
+        mask_BT = jnp.asarray(cm_BT, jnp.float32)
+        params, opt_state, loss = step(params, opt_state, *jax.device_put((tokens_BT, positions_BT, mask_BT), b2))
+        sft_losses.append(float(loss))
+    info = dict(sft_loss_first=sft_losses[0], sft_loss_last=float(np.mean(sft_losses[-10:])), sft_steps=w.steps)
+    return params, info
