@@ -2,8 +2,10 @@
 JSON `meta` dict per step, resumes from the newest step that actually restores, and a SIGTERM guard
 so a preempted run can save and exit at an iteration boundary.
 
-Layout: `<directory>/<step>/{state,meta}` as orbax writes it; steps that failed to restore while an
-older one succeeded are moved (never deleted) to `<directory>/corrupt/<step>.<unix time>`.
+Layout: `<directory>/<step>/{state,meta}` as orbax writes it; `<directory>/checksums/<step>.json`,
+the sha256 of every file of a step, recorded once the step is complete and verified on restore (a
+byte changed after the save fails the step like a truncated file would); steps that failed to
+restore while an older one succeeded are moved (never deleted) to `<directory>/corrupt/<step>.<unix time>`.
 
 What goes in `state`:
 - Any pytree of arrays / numpy / Python scalars. `flax.nnx.State` (e.g. `nnx.state(model, nnx.Param)`)
@@ -22,9 +24,11 @@ JAX preemption service); `PreemptionGuard` only covers the single-host signal pa
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
+import pathlib
 import signal
 import threading
 import time
@@ -42,6 +46,7 @@ log = logging.getLogger(__name__)
 STATE_ITEM = "state"
 META_ITEM = "meta"
 CORRUPT_SUBDIR = "corrupt"
+CHECKSUM_SUBDIR = "checksums"  # <step>.json: sha256 of every file of a finished step
 # Orbax 0.12.8 writes this into every step directory as the last act of a save (both in its
 # atomic-rename mode for local disks and its commit-file mode for GCS). Its own step listing only
 # checks it on GCS, so we check it ourselves: a step without it was never finished.
@@ -83,6 +88,7 @@ class Checkpointer:
         step = int(step)
         _check_no_typed_keys(state)
         meta_json = json.loads(json.dumps(meta))  # fail here, not in a background thread
+        self.wait()  # the previous save is complete: its checksums can be recorded
         steps = self._manager.all_steps()
         if step in steps:
             return False
@@ -103,20 +109,60 @@ class Checkpointer:
             force=True,
         )
         if force:
-            self._manager.wait_until_finished()
+            self.wait()
         return saved
 
     def wait(self) -> None:
-        """Blocks until any in-flight asynchronous save is fully written."""
+        """Blocks until any in-flight asynchronous save is fully written, then records its checksums."""
         if not self._closed:
             self._manager.wait_until_finished()
+            self._record_checksums()
 
     def close(self) -> None:
         """Waits for in-flight saves and releases orbax's resources; idempotent."""
         if not self._closed:
-            self._manager.wait_until_finished()
+            self.wait()
             self._manager.close()
             self._closed = True
+
+    # -- checksums ------------------------------------------------------------------------------
+
+    def _checksum_path(self, step: int):
+        return self.directory / CHECKSUM_SUBDIR / f"{step}.json"
+
+    def _record_checksums(self) -> None:
+        """sha256 of every file of each finished step that has none yet (process 0); drops the
+        records of steps orbax has deleted."""
+        if jax.process_index() != 0 or not self.directory.exists():
+            return
+        steps = set(self._manager.all_steps())
+        for step in steps:
+            path = self._checksum_path(step)
+            if not path.exists() and (self.directory / str(step) / _COMMIT_MARKER).exists():
+                path.parent.mkdir(parents=True, exist_ok=True)
+                tmp = path.parent / f"{step}.json.tmp"
+                tmp.write_text(json.dumps(_file_digests(self.directory / str(step)), indent=0, sort_keys=True))
+                tmp.rename(path)
+        if (self.directory / CHECKSUM_SUBDIR).exists():
+            for record in (self.directory / CHECKSUM_SUBDIR).glob("*.json"):
+                if record.stem.isdigit() and int(record.stem) not in steps:
+                    record.unlink()
+
+    def _verify(self, step: int) -> None:
+        """Raises if any file of `step` changed, appeared or vanished since its checksums were recorded."""
+        path = self._checksum_path(step)
+        if not path.exists():
+            log.warning(
+                "Checkpoint step %d has no checksum record (its run stopped before recording one); "
+                "restoring it unverified.",
+                step,
+            )
+            return
+        recorded = json.loads(path.read_text())
+        actual = _file_digests(self.directory / str(step))
+        changed = sorted(f for f in set(recorded) | set(actual) if recorded.get(f) != actual.get(f))
+        if changed:
+            raise ValueError(f"step {step}: {len(changed)} file(s) changed since saved, e.g. {changed[0]}")
 
     def __enter__(self) -> Checkpointer:
         return self
@@ -141,6 +187,7 @@ class Checkpointer:
         """
         if not (self.directory / str(step) / _COMMIT_MARKER).exists():
             raise FileNotFoundError(f"step {step} has no {_COMMIT_MARKER}: save never finished")
+        self._verify(step)
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(
@@ -278,3 +325,16 @@ def _check_no_typed_keys(state: Any) -> None:
 def _short(e: Exception, limit: int = 300) -> str:
     text = str(e).splitlines()[0] if str(e) else ""
     return text if len(text) <= limit else text[:limit] + "..."
+
+
+def _file_digests(step_dir) -> dict[str, str]:
+    """{relative path: sha256} of every file under a step directory."""
+    out = {}
+    for path in sorted(pathlib.Path(os.fspath(step_dir)).rglob("*")):
+        if path.is_file():
+            digest = hashlib.sha256()
+            with open(path, "rb") as f:
+                for block in iter(lambda f=f: f.read(1 << 20), b""):
+                    digest.update(block)
+            out[str(path.relative_to(os.fspath(step_dir)))] = digest.hexdigest()
+    return out

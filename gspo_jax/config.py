@@ -10,16 +10,19 @@ CPU cores) or `qwen3_30b_a3b` (the TPU shape).
 from __future__ import annotations
 
 import dataclasses
+import math
+from pathlib import Path
 from typing import Any
 
+import jax
 import ml_collections
 
 from gspo_jax import algorithms, hf, losses
 from gspo_jax import model as model_lib
 from gspo_jax.optimizer import OptimizerConfig
 from gspo_jax.rollout import RolloutConfig
-from gspo_jax.tasks import make_task
-from gspo_jax.validation import ConfigError, check, check_choice, check_int
+from gspo_jax.tasks import load_tokenizer, make_task
+from gspo_jax.validation import ConfigError, check, check_choice, check_int, is_int
 
 SIZES = ("tiny", "default", "qwen3_30b_a3b")
 OLD_LOGP_SOURCES = ("sampler", "trainer")
@@ -155,6 +158,12 @@ def build(c: ml_collections.ConfigDict) -> Built:
     m = dict(c.model)
     m["dense_layers"] = tuple(m.get("dense_layers", ()))
     model_cfg = _typed("model", model_lib.ModelConfig, m)
+    for key, what in (
+        ("hf_checkpoint", "a local Hugging Face checkpoint directory"),
+        ("tokenizer_path", "a local tokenizer.json or directory"),
+    ):
+        if c[key]:  # nothing is downloaded at run time: a path must exist
+            check(Path(c[key]).exists(), "config", key, c[key], f"{what} that exists (nothing is downloaded)")
     if c.hf_checkpoint:
         # The checkpoint fixes the architecture; config.model still picks what HF does not describe.
         keep = ("dispatch", "param_dtype", "dtype", "lb_loss_coef", "z_loss_coef")
@@ -189,6 +198,17 @@ def build(c: ml_collections.ConfigDict) -> Built:
     check_int("config", "warm_start.steps", w.steps, low=0)
     check_int("config", "warm_start.batch_size", w.batch_size)
     OptimizerConfig.from_config(w, "config.warm_start")
+    _check_mesh(c.mesh, batch=batch, minibatch=batch // t.minibatches, warm_start_batch=w.batch_size)
+    tokenizer = load_tokenizer(c.tokenizer_path or None)
+    bos = 0 if tokenizer.bos_token_id is None else 1
+    longest = bos + task.max_prompt_tokens(lambda text: tokenizer.encode(text, add_special_tokens=False))
+    check(
+        longest <= c.prompt_len,
+        "config",
+        "prompt_len",
+        c.prompt_len,
+        f"the prompt bucket must hold the task's longest prompt: {longest} tokens (BOS included)",
+    )
     check(
         model_cfg.vocab_size >= 128 or bool(c.tokenizer_path),
         "config",
@@ -205,3 +225,28 @@ def build(c: ml_collections.ConfigDict) -> Built:
             f"Dr.GRPO normalises by the max completion length, max_new_tokens={c.max_new_tokens}",
         )
     return Built(model=model_cfg, loss=loss_cfg, rollout=rollout_cfg, task=task)
+
+
+def _check_mesh(mesh: ml_collections.ConfigDict, *, batch: int, minibatch: int, warm_start_batch: int) -> None:
+    """Axis sizes against the devices present, and the data axes against every batch they split."""
+    sizes = {k: mesh[k] for k in ("data", "fsdp", "expert", "tensor")}
+    for k, v in sizes.items():
+        check(is_int(v) and (v >= 1 or v == -1), "config", f"mesh.{k}", v, "an int >= 1, or -1 for the devices left")
+    check(list(sizes.values()).count(-1) <= 1, "config", "mesh", dict(sizes), "at most one axis may be -1")
+    n = jax.device_count()
+    known = math.prod(v for v in sizes.values() if v != -1)
+    check(
+        known <= n and (-1 not in sizes.values() or n % known == 0),
+        "config",
+        "mesh",
+        dict(sizes),
+        f"this machine has {n} devices",
+    )
+    sizes = {k: (n // known if v == -1 else v) for k, v in sizes.items()}
+    data = sizes["data"] * sizes["fsdp"]
+    for what, size in (
+        ("num_groups×group_size", batch),
+        ("the minibatch", minibatch),
+        ("warm_start.batch_size", warm_start_batch),
+    ):
+        check(size % data == 0, "config", "mesh", dict(sizes), f"data×fsdp={data} must divide {what}={size}")

@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from gspo_jax.metrics import Max, Mean, Metric, Min, Sum
-from gspo_jax.validation import check_choice, check_number, fail
+from gspo_jax.validation import check, check_choice, check_number, fail
 
 Array = jax.Array
 
@@ -84,6 +84,8 @@ class LossConfig:
         check_number(own, "sapo_tau_pos", self.sapo_tau_pos, low=0.0, strict=True)
         check_number(own, "sapo_tau_neg", self.sapo_tau_neg, low=0.0, strict=True)
         check_number(own, "log_ratio_clamp", self.log_ratio_clamp, low=0.0, strict=True)
+        if self.ratio != "geometric":  # ratios are > 0: a lower bound below 0 clips nothing, silently
+            check(self.eps_low <= 1.0, own, "eps_low", self.eps_low, "in [0, 1] (1 means no lower bound)")
         if self.gate not in GATES_FOR_RATIO[self.ratio]:
             fail(own, "gate", self.gate, f"with ratio={self.ratio!r} choose one of {GATES_FOR_RATIO[self.ratio]}")
         if self.dual_clip_c is not None and self.gate != "clip":

@@ -40,13 +40,16 @@ class RolloutConfig:
 
     def __post_init__(self):
         own = "RolloutConfig"
-        for f in ("num_groups", "group_size", "max_rounds"):
+        for f in ("num_groups", "max_rounds"):
             check_int(own, f, getattr(self, f), low=1)
+        # A group of one has advantage 0 whatever its reward: nothing would be learned.
+        check_int(own, "group_size", self.group_size, low=2)
         check_choice(own, "advantage_scale", self.advantage_scale, adv_lib.SCALES)
         check_number(own, "advantage_eps", self.advantage_eps, low=0.0)
         check_int(own, "overlong_cache_len", self.overlong_cache_len, low=0)
         check_number(own, "overlong_factor", self.overlong_factor, low=0.0)
-        check_number(own, "temperature", self.temperature, low=0.0)
+        # Greedy rollouts make every sample of a group identical: advantage 0 everywhere.
+        check_number(own, "temperature", self.temperature, low=0.0, strict=True)
         check_int(own, "top_k", self.top_k, low=0)
         check_number(own, "top_p", self.top_p, low=0.0, high=1.0, strict=True)
         if self.dynamic_sampling:

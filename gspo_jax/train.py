@@ -9,9 +9,11 @@ jitted function has fixed shapes and compiles once per run. Shape letters: `gspo
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import logging
+import signal
 import time
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -30,6 +32,7 @@ from gspo_jax import metrics as metrics_lib
 from gspo_jax import model as model_lib
 from gspo_jax import optimizer as optimizer_lib
 from gspo_jax import sharding as sharding_lib
+from gspo_jax import workdir as workdir_lib
 from gspo_jax.checkpoint import Checkpointer, PreemptionGuard
 from gspo_jax.compiles import CompileCounter
 from gspo_jax.evaluate import evaluate
@@ -37,6 +40,7 @@ from gspo_jax.metrics import Count, Mean, Sum
 from gspo_jax.rollout import Rollout
 from gspo_jax.sampler import Sampler
 from gspo_jax.tasks import load_tokenizer, prompt_iterator
+from gspo_jax.validation import ConfigError
 from gspo_jax.warm_start import warm_start
 from gspo_jax.writers import MetricWriter
 
@@ -110,9 +114,12 @@ def train_step(static: StepConfig, state: TrainState, batch: TrainBatch) -> tupl
     grads, stacked = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, state.params), micro)
     metrics = metrics_lib.reduce(stacked)
     grad_norm = optax.global_norm(grads)
-    ok = jnp.isfinite(metrics["total_loss"].total) & jnp.isfinite(grad_norm)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
+    # Skip the update if anything it would write is not finite (the loss and gradient, but also an
+    # overflowing optimizer moment or parameter): a run never saves a non-finite state.
+    finite = lambda tree: jax.tree.reduce(lambda ok, x: ok & jnp.all(jnp.isfinite(x)), tree, jnp.array(True))
+    ok = jnp.isfinite(metrics["total_loss"].total) & jnp.isfinite(grad_norm) & finite(params) & finite(opt_state)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
     state = state.replace(
         step=state.step + ok.astype(jnp.int32),
@@ -238,6 +245,13 @@ def rl_iteration(
             step_metrics = jax.tree.map(float, jax.device_get(step_metrics))  # host float64 from here
             acc = step_metrics if acc is None else metrics_lib.merge(acc, step_metrics)
     metrics.update(metrics_lib.compute(acc))
+    if metrics["skipped"]:
+        log.warning(
+            "iteration %d: %d of %d updates skipped (non-finite loss, gradient or update)",
+            iteration,
+            metrics["skipped"],
+            t.epochs * num_mb,
+        )
     if t.drift_metrics:
         metrics.update(drift_to_log(programs.drift(state.params, full)))
     metrics.update(rollout_seconds=t_rollout, iteration_seconds=time.perf_counter() - t0)
@@ -245,8 +259,9 @@ def rl_iteration(
 
 
 def prepare_batch(programs: Programs, params, batch, old_logp_source, replay, ref_params, metrics) -> TrainBatch:
-    """The rollout on the mesh, with π_old's log-probs and routing as `old_logp_source` and the replay
-    mode choose, and π_ref's log-probs when there is a reference. Logs `old_logp_max_diff`."""
+    """The rollout on the mesh: π_old's log-probs from `old_logp_source`, π_old's routing from the
+    sampler (R3) or the trainer (R2, none), π_ref's log-probs when there is a reference. Logs
+    `old_logp_max_diff` (trainer vs sampler log-probs) into `metrics`."""
     positions = model_lib.positions_from_mask(jnp.asarray(batch.prompt_mask) | jnp.asarray(batch.completion_mask))
     b2 = programs.batch_shardings.tokens
     tokens, positions = jax.device_put((batch.tokens, positions), b2)
@@ -276,13 +291,46 @@ def drift_to_log(drift: dict[str, Array]) -> dict[str, float]:
     return out
 
 
+class StoppedEarly(Exception):
+    """The run stopped at an iteration boundary on SIGTERM or SIGINT, after saving a checkpoint;
+    running it again resumes there. `scripts/train.py` exits with `EXIT_STOPPED` for it."""
+
+    def __init__(self, signum: int, iteration: int):
+        self.signum, self.iteration = signum, iteration
+        name = signal.Signals(signum).name
+        super().__init__(f"stopped by {name} after iteration {iteration}; checkpoint saved, rerun to resume")
+
+
+class CheckpointMismatch(ConfigError):
+    """The workdir has checkpoints but none restores into this run's state: training would never save."""
+
+
 def train_and_evaluate(
-    config: ml_collections.ConfigDict, workdir: str | Path, *, progress: bool = True
+    config: ml_collections.ConfigDict,
+    workdir: str | Path,
+    *,
+    progress: bool = True,
+    allow_config_change: bool = False,
 ) -> dict[str, float]:
     """The main job: warm start, then RL iterations with evaluation, logging and checkpoints, resuming
-    from the workdir's latest good checkpoint. SIGTERM saves a checkpoint at the next iteration
-    boundary and returns. Returns the last iteration's metrics ({} when nothing was left to do)."""
+    from the workdir's latest good checkpoint. One run per workdir (a lock), and only with the config
+    the workdir was started with (`workdir.RESUMABLE_KEYS` aside) unless `allow_config_change`.
+    SIGTERM / SIGINT save a checkpoint at the next iteration boundary and raise `StoppedEarly`.
+    Returns the last iteration's metrics ({} when nothing was left to do)."""
     workdir, built = Path(workdir), config_lib.build(config)
+    is_main = jax.process_index() == 0
+    changes = workdir_lib.check_config(workdir, config, allow_change=allow_config_change)  # reads only
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"workdir {str(workdir)!r} cannot be created: {e.strerror}") from None
+    with workdir_lib.Lock(workdir) if is_main else contextlib.nullcontext():
+        if is_main:
+            workdir_lib.record_config(workdir, config, changes)
+        return _run(config, built, workdir, progress=progress and is_main)
+
+
+def _run(config, built: config_lib.Built, workdir: Path, *, progress: bool) -> dict[str, float]:
     t, is_main = config.train, jax.process_index() == 0
     mesh = sharding_lib.mesh_from_config(**config.mesh)
     graphdef, params = init_policy(config, built.model, mesh)
@@ -292,28 +340,20 @@ def train_and_evaluate(
         graphdef, built.model, batch_size, config.prompt_len, config.max_new_tokens, mesh=mesh, state=params
     )
     rollout = Rollout(sampler, built.task, load_tokenizer(config.tokenizer_path or None), built.rollout)
-    workdir.mkdir(parents=True, exist_ok=True)
-    if is_main:
-        (workdir / "config.json").write_text(config.to_json_best_effort(indent=2))
-    writer = MetricWriter(workdir)
-    ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=t.keep_checkpoints, save_every=t.checkpoint_every)
     evaluation = functools.partial(evaluate, rollout, seed=config.seed + 1, num_batches=t.eval_batches)
-
-    params, warm_start_info = warm_start(config, graphdef, params, mesh=mesh, rollout=rollout, workdir=workdir)
-    ref_params = params if built.loss.kl_coef > 0 else None
-    state = init_train_state(programs, params, config.seed)
     prompts = prompt_iterator(built.task, seed=config.seed, split="train")
-    restored = resume(ckpt, state, prompts)
-    if restored is None:
-        start = 0
-        writer.write(0, {**evaluation(state.params), **{k: float(v) for k, v in warm_start_info.items()}})
-    else:
-        start, state = restored
-    bar = tqdm(
-        total=t.num_iterations, initial=start, desc=config.algorithm, unit="it", disable=not (progress and is_main)
-    )
-    last: dict[str, float] = {}
-    with PreemptionGuard() as guard:
+    ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=t.keep_checkpoints, save_every=t.checkpoint_every)
+    with ckpt, MetricWriter(workdir) as writer, PreemptionGuard(sigint=True) as guard:
+        restored = resume(ckpt, abstract_train_state(programs, params), prompts)  # before any work
+        params, warm_start_info = warm_start(config, graphdef, params, mesh=mesh, rollout=rollout, workdir=workdir)
+        ref_params = params if built.loss.kl_coef > 0 else None
+        start, state = restored or (0, init_train_state(programs, params, config.seed))
+        if is_main:  # rows past the restored step were logged by work the resumed run redoes
+            workdir_lib.drop_rows_after(workdir, start if restored else -1)
+        if not restored:
+            writer.write(0, {**evaluation(state.params), **{k: float(v) for k, v in warm_start_info.items()}})
+        last: dict[str, float] = {}
+        bar = tqdm(total=t.num_iterations, initial=start, desc=config.algorithm, unit="it", disable=not progress)
         for it in range(start, t.num_iterations):
             compiles = CompileCounter()  # logged as xla_compiles: 0 after the first iteration
             state, metrics = rl_iteration(programs, rollout, config, state, prompts, it, ref_params)
@@ -325,28 +365,35 @@ def train_and_evaluate(
             meta = dict(iteration=it, prompts=prompts.state())
             ckpt.save(it + 1, state, meta, force=guard.requested or it + 1 == t.num_iterations)
             bar.update(1)
-            bar.set_postfix(
-                reward=f"{metrics['reward_mean']:.3f}",
-                acc=f"{metrics['accuracy']:.3f}",
-                clip=f"{metrics.get('clip_frac', 0):.4f}",
-            )
+            bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", acc=f"{metrics['accuracy']:.3f}")
             if guard.requested:
-                log.warning("preemption requested: checkpoint saved at iteration %d, stopping", it)
-                break
-    ckpt.close()
-    writer.close()
-    bar.close()
-    if is_main and not guard.requested and start < t.num_iterations:
+                bar.close()
+                raise StoppedEarly(guard.signum, it)
+        bar.close()
+    if is_main and start < t.num_iterations:
         plots.plot_run(workdir)
     return last
 
 
-def resume(ckpt: Checkpointer, state: TrainState, prompts) -> tuple[int, TrainState] | None:
-    """(first iteration to run, restored state) from the newest good checkpoint, or None; restores the
-    prompt iterator's position in place."""
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), state)
+def abstract_train_state(programs: Programs, params) -> TrainState:
+    """The train state's shapes, dtypes and shardings, without computing it (what `resume` fills)."""
+    abstract = jax.eval_shape(functools.partial(init_train_state, programs, seed=0), params)
+    return jax.tree.map(
+        lambda a, sh: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sh), abstract, programs.state_shardings
+    )
+
+
+def resume(ckpt: Checkpointer, abstract: TrainState, prompts) -> tuple[int, TrainState] | None:
+    """(first iteration to run, restored state) from the newest good checkpoint, or None when the
+    directory has none; restores the prompt iterator's position in place. Raises
+    `CheckpointMismatch` when checkpoints exist but none restores: the run would never save."""
     restored = ckpt.restore_latest(abstract)
     if restored is None:
+        if ckpt.all_steps():
+            raise CheckpointMismatch(
+                f"no checkpoint in {ckpt.directory} (steps {ckpt.all_steps()}) restores into this run's state: "
+                "they hold another model, or are all corrupt; use a new workdir"
+            )
         return None
     _, state, meta = restored
     prompts.restore(meta["prompts"])

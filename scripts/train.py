@@ -3,50 +3,90 @@
     python scripts/train.py --config configs/gspo.py --workdir /tmp/gspo
     python scripts/train.py --config configs/grpo.py:tiny --workdir /tmp/t --config.train.num_iterations=2
 
-A wrong override or an invalid value exits with a one-line error naming the key (exit code 2)
-before any work starts and without touching the workdir. Re-running on a workdir with checkpoints
-resumes from the latest good one.
+Exit codes (for schedulers and sweeps):
+    0    the run finished (or had nothing left to do), plots written
+    2    refused before any work, one line on stderr: a bad flag, key or value; a config that differs
+         from the one the workdir was started with; a workdir in use by another live run
+    75   stopped early by SIGTERM or Ctrl-C at an iteration boundary, checkpoint saved: rerun to resume
+    130  a second Ctrl-C: stopped at once; the newest complete checkpoint is intact
+A refused run leaves the workdir byte-for-byte as it was. Re-running on a workdir resumes from its
+latest good checkpoint.
 """
 
 import logging
+import os
 import sys
+from pathlib import Path
 
-from absl import app, flags
-from absl import logging as absl_logging
-from ml_collections import config_flags
+# This project never uses PyTorch: keep transformers' notice about its absence off stderr, so that a
+# refused run prints exactly one line.
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from gspo_jax import config as config_lib
-from gspo_jax.train import train_and_evaluate
+from absl import app, flags  # noqa: E402
+from absl import logging as absl_logging  # noqa: E402
+from ml_collections import config_flags  # noqa: E402
+
+from gspo_jax import config as config_lib  # noqa: E402
+from gspo_jax.train import StoppedEarly, train_and_evaluate  # noqa: E402
+from gspo_jax.workdir import WorkdirBusy  # noqa: E402
+
+EXIT_REFUSED, EXIT_STOPPED, EXIT_INTERRUPTED = 2, 75, 130  # 75: EX_TEMPFAIL, "try again"
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A configs/<algorithm>.py[:size] file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics.jsonl, TensorBoard and plots go.")
 _PROGRESS = flags.DEFINE_boolean("progress", True, "Show a progress bar.")
+_ALLOW_CONFIG_CHANGE = flags.DEFINE_boolean(
+    "allow_config_change", False, "Continue a workdir with a config that differs from the one it was started with."
+)
+
+
+def refuse(message: str) -> None:
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(EXIT_REFUSED)
 
 
 def parse_flags(argv):
     """absl flag parsing, with every override error reduced to one line and exit code 2."""
+    for i, arg in enumerate(argv[1:], 1):
+        if arg.startswith("--config.algorithm"):
+            refuse("config.algorithm cannot be overridden: it names the config file's algorithm (configs/<name>.py)")
+        path = arg.split("=", 1)[1] if arg.startswith("--config=") else None
+        if arg == "--config" and i + 1 < len(argv):
+            path = argv[i + 1]
+        if path is not None and not Path(path.split(":")[0]).is_file():
+            refuse(f"config file not found: {path.split(':')[0]}")
     try:
         return flags.FLAGS(argv)
     except (AttributeError, KeyError) as e:  # config_flags' way of saying "no such key"
-        print(f"error: no such config key: {str(e).strip(chr(34))}", file=sys.stderr)
+        refuse(f"no such config key: {str(e).strip(chr(34))}")
     except (flags.Error, ValueError, TypeError) as e:
-        print(f"error: {str(e).splitlines()[0]}", file=sys.stderr)
-    sys.exit(2)
+        lines = [x.strip() for x in str(e).splitlines() if x.strip()]
+        # An error raised inside get_config arrives wrapped in a traceback: its last line says it.
+        refuse(lines[-1].split(": ", 1)[-1] if "Traceback" in str(e) else lines[0])
 
 
 def main(argv):
     del argv
     if _CONFIG.value is None or not _WORKDIR.value:
-        print("error: --config and --workdir are required", file=sys.stderr)
-        sys.exit(2)
+        refuse("--config and --workdir are required")
     try:
         config_lib.build(_CONFIG.value)  # every check, before any work
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        refuse(str(e))
     absl_logging.set_verbosity(absl_logging.INFO)
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save step at INFO
-    metrics = train_and_evaluate(_CONFIG.value, _WORKDIR.value, progress=_PROGRESS.value)
+    try:
+        metrics = train_and_evaluate(
+            _CONFIG.value, _WORKDIR.value, progress=_PROGRESS.value, allow_config_change=_ALLOW_CONFIG_CHANGE.value
+        )
+    except (ValueError, WorkdirBusy) as e:  # config drift, workdir in use or not creatable, checkpoint mismatch
+        refuse(str(e))
+    except StoppedEarly as e:
+        print(f"stopped: {e}", file=sys.stderr)
+        sys.exit(EXIT_STOPPED)
+    except KeyboardInterrupt:
+        print("interrupted: stopped at once; the newest complete checkpoint is intact", file=sys.stderr)
+        sys.exit(EXIT_INTERRUPTED)
     keys = ("reward_mean", "accuracy", "eval_accuracy", "clip_frac", "drift_slot_change_rate")
     print("final: " + ", ".join(f"{k}={metrics[k]:.4f}" for k in keys if k in metrics))
 

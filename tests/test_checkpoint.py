@@ -148,9 +148,20 @@ def _truncate_all(step_dir):
             open(f, "wb").close()
 
 
+def _garbage_4kb_in_place(step_dir):
+    """4 kB of garbage over the middle of the largest data file, its size unchanged."""
+    f = max(glob.glob(f"{step_dir}/state/**/d/*", recursive=True), key=os.path.getsize)
+    size = os.path.getsize(f)
+    with open(f, "r+b") as fh:
+        fh.seek(max(0, size // 2 - 2048))
+        fh.write(os.urandom(min(4096, size)))
+    assert os.path.getsize(f) == size
+
+
 CORRUPTIONS = {
     "deleted_file": _delete_a_file,
     "garbage_arrays": _garbage_arrays,
+    "garbage_4kb_in_place": _garbage_4kb_in_place,
     "no_state_item": lambda d: shutil.rmtree(f"{d}/state"),
     "no_commit_marker": lambda d: os.remove(f"{d}/commit_success.txt"),
     "garbage_meta": lambda d: Path(f"{d}/meta/metadata").write_text("{not json"),
@@ -196,7 +207,7 @@ def test_all_steps_corrupt_returns_none_and_moves_nothing(tmp_path, caplog):
         shutil.rmtree(tmp_path / s / "state")
     with caplog.at_level(logging.WARNING, logger="gspo_jax.checkpoint"):
         assert Checkpointer(tmp_path).restore_latest(abstract(state)) is None
-    assert sorted(os.listdir(tmp_path)) == ["1", "2"]
+    assert sorted(os.listdir(tmp_path)) == ["1", "2", "checksums"]
     assert any(r.levelno == logging.ERROR for r in caplog.records)
 
 

@@ -165,7 +165,7 @@ def test_tiny_end_to_end_compiles_once_checkpoints_and_resumes_bitwise(tmp_path,
     c = tiny("grpo")  # KL to the reference: exercises the ref model path too
     train.train_and_evaluate(c, tmp_path / "full", progress=False)
 
-    with monkeypatch.context() as m:
+    with monkeypatch.context() as m, pytest.raises(train.StoppedEarly):
         _sigterm_after(m, 0)  # "interrupted" after iteration 1
         train.train_and_evaluate(c, tmp_path / "resumed", progress=False)
     compile_counter.reset()
@@ -239,7 +239,8 @@ def test_sigterm_saves_a_checkpoint_and_stops_at_the_iteration_boundary(tmp_path
     _sigterm_after(monkeypatch, 0)  # "preempted" while iteration 1 finishes
     c = tiny("dapo")
     c.train.checkpoint_every = 100  # only the preemption save can write step 1
-    train.train_and_evaluate(c, tmp_path, progress=False)
+    with pytest.raises(train.StoppedEarly, match="SIGTERM after iteration 0"):
+        train.train_and_evaluate(c, tmp_path, progress=False)
     assert Checkpointer(tmp_path / "checkpoints").all_steps() == [1]
     assert [r["step"] for r in _metrics(tmp_path)] == [0, 1]
 

@@ -50,6 +50,11 @@ class ArithmeticTask(VerifiableTask):
             meta={"operands": tuple(values), "ops": tuple(ops)},
         )
 
+    def max_prompt_tokens(self, encode) -> int:
+        """Every operand at full width: the longest prompt in characters (and digits)."""
+        widest = "9" * self.digits
+        return len(encode(f"What is {widest}{(self.ops[0] + widest) * (self.operands - 1)}?\n"))
+
     def extract_answer(self, completion: str) -> str | None:
         """The answer as a canonical integer string ("007" -> "7", "+ 5" -> "5"), or None."""
         text = answer_text(completion)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import abc
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -39,6 +39,8 @@ class Task(Protocol):
 
     def demonstration(self, example: Example) -> str: ...
 
+    def max_prompt_tokens(self, encode: Callable[[str], list[int]]) -> int: ...
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VerifiableTask(abc.ABC):
@@ -68,6 +70,10 @@ class VerifiableTask(abc.ABC):
     @abc.abstractmethod
     def demonstration(self, example: Example) -> str:
         """A completion that earns reward 1 on `example`."""
+
+    @abc.abstractmethod
+    def max_prompt_tokens(self, encode: Callable[[str], list[int]]) -> int:
+        """The most tokens any prompt of this task encodes to (checked against the prompt bucket)."""
 
     def reward(self, completion: str, example: Example) -> float:
         """Scores a completion (see the class docstring)."""

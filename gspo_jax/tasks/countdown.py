@@ -137,6 +137,14 @@ class CountdownTask(VerifiableTask):
             meta={"numbers": numbers, "target": target, "solution": found[target]},
         )
 
+    def max_prompt_tokens(self, encode) -> int:
+        """The widest target and numbers: the longest prompt in characters (and digits)."""
+        numbers = " ".join([str(self.max_number)] * self.count)
+        prompt = f"Make {self.target_max} from {numbers} with {' '.join(self.ops)}." + (
+            " Use all." if self.use_all else ""
+        )
+        return len(encode(prompt + "\n"))
+
     def extract_answer(self, completion: str) -> str | None:
         """The answer line if it is a syntactically valid expression over the allowed operators."""
         text = answer_text(completion)

@@ -101,6 +101,9 @@ class DatasetTask(VerifiableTask):
         """A uniformly random record (use `prompts.DatasetPrompts` for epoch-wise shuffling)."""
         return self.example(int(rng.integers(len(self.records))))
 
+    def max_prompt_tokens(self, encode) -> int:
+        return max(len(encode(self.example(i).prompt)) for i in range(len(self)))
+
     def extract_answer(self, completion: str) -> str | None:
         """The text after the last "####" on its line (any text; the matcher decides)."""
         return answer_text(completion)

@@ -1,0 +1,316 @@
+"""Runs that cannot be silently corrupted: one run per workdir, refused config drift, bad input stopped at
+the door (one line, workdir untouched), non-finite updates skipped, SIGINT like SIGTERM, documented exit
+codes, one metrics row per step after any interruption."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gspo_jax import train, workdir
+from gspo_jax.checkpoint import Checkpointer
+from gspo_jax.config import base_config, build
+from gspo_jax.validation import ConfigError
+
+ROOT = Path(__file__).resolve().parents[1]
+EXIT_REFUSED, EXIT_STOPPED = 2, 75
+
+
+def snapshot(path: Path) -> dict[str, bytes]:
+    """Every file under `path` with its bytes: 'untouched' means equal snapshots."""
+    return {str(p.relative_to(path)): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+def cli(*args, timeout=300):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    return subprocess.run(
+        [sys.executable, "scripts/train.py", *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=timeout
+    )
+
+
+def one_line(r) -> str:
+    lines = [x for x in r.stderr.strip().splitlines() if x.strip()]
+    assert len(lines) == 1, r.stderr
+    return lines[0]
+
+
+def rows(path: Path) -> list[int]:
+    return [json.loads(x)["step"] for x in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+# ------------------------------------------------------------------ refused at config build
+
+
+@pytest.mark.parametrize(
+    "key, value, field",
+    [
+        ("loss.eps_low", 1.5, "eps_low"),
+        ("rollout.group_size", 1, "group_size"),
+        ("rollout.temperature", 0.0, "temperature"),
+        ("train.b1", 1.0, "b1"),
+        ("train.warmup_steps", -1, "warmup_steps"),
+        ("train.learning_rate", float("inf"), "learning_rate"),
+        ("warm_start.b2", 1.5, "b2"),
+        ("mesh.data", 3, "mesh"),  # does not divide the batch of 8 (and more than the devices here)
+        ("mesh.data", 16, "mesh"),  # more devices than present
+        ("mesh.fsdp", 0, "mesh.fsdp"),
+        ("prompt_len", 8, "prompt_len"),  # the task's prompts need 16 tokens
+        ("tokenizer_path", "/no/such/tokenizer", "tokenizer_path"),
+        ("hf_checkpoint", "/no/such/checkpoint", "hf_checkpoint"),
+    ],
+)
+def test_values_that_cannot_work_are_refused_at_build_naming_the_key(key, value, field):
+    c = base_config("gspo", "tiny")
+    section, _, name = key.rpartition(".")
+    (c[section] if section else c)[name] = value
+    with pytest.raises(ConfigError, match=field) as e:
+        build(c)
+    assert "\n" not in str(e.value)
+
+
+def test_mesh_data_axes_must_divide_every_batch():
+    c = base_config("gspo", "tiny")  # 8 completions, minibatches of 4, warm-start batches of 8
+    c.mesh.data = 8
+    with pytest.raises(ConfigError, match="must divide the minibatch=4"):
+        build(c)
+    c.mesh.update(data=4, fsdp=1)
+    build(c)
+
+
+# ------------------------------------------------------------------ the CLI: one line, workdir untouched
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--config", "configs/gspo.py:tiny", "--config.algorithm=grpo"], "algorithm"),
+        (["--config", "configs/no_such.py"], "config file not found"),
+        (["--config", "configs/gspo.py:huge"], "size"),
+        (["--config", "configs/gspo.py:tiny", "--config.mesh.data=16"], "mesh"),
+        (["--config", "configs/gspo.py:tiny", "--config.mesh.tensor=0"], "mesh.tensor"),
+        (["--config", "configs/gspo.py:tiny", "--config.prompt_len=8"], "prompt_len"),
+        (["--config", "configs/gspo.py:tiny", "--config.tokenizer_path=/no/such/dir"], "tokenizer_path"),
+        (["--config", "configs/gspo.py:tiny", "--config.rollout.temperature=0.0"], "temperature"),
+    ],
+)
+def test_cli_refuses_bad_input_in_one_line_and_leaves_the_workdir_untouched(tmp_path, args, words):
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "keep.txt").write_text("precious")
+    before = snapshot(work)
+    r = cli(*args, "--workdir", str(work))
+    assert r.returncode == EXIT_REFUSED, r.stderr
+    assert words in one_line(r)
+    assert snapshot(work) == before
+
+
+def test_cli_refuses_a_workdir_that_cannot_be_created(tmp_path):
+    (tmp_path / "a_file").write_text("x")
+    r = cli("--config", "configs/gspo.py:tiny", "--workdir", str(tmp_path / "a_file" / "run"))
+    assert r.returncode == EXIT_REFUSED and "cannot be created" in one_line(r)
+
+
+# ------------------------------------------------------------------ one run per workdir
+
+
+def test_a_second_run_on_a_held_workdir_is_refused_naming_the_holder(tmp_path):
+    with workdir.Lock(tmp_path):
+        before = snapshot(tmp_path)
+        r = cli("--config", "configs/gspo.py:tiny", "--workdir", str(tmp_path))
+        assert r.returncode == EXIT_REFUSED
+        assert f"in use by pid {os.getpid()}" in one_line(r)
+        assert snapshot(tmp_path) == before
+    with pytest.raises(workdir.WorkdirBusy, match=f"pid {os.getpid()}"), workdir.Lock(tmp_path), workdir.Lock(tmp_path):
+        pass
+
+
+def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path, caplog):
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"from gspo_jax.workdir import Lock; Lock({str(tmp_path)!r}).acquire(); input()"],
+        stdin=subprocess.PIPE,
+    )
+    deadline = time.time() + 60
+    while not (tmp_path / workdir.LOCK_FILE).exists() or not (tmp_path / workdir.LOCK_FILE).read_text():
+        assert time.time() < deadline
+        time.sleep(0.1)
+    with pytest.raises(workdir.WorkdirBusy, match=f"pid {holder.pid}"):
+        workdir.Lock(tmp_path).acquire()
+    holder.kill()  # kill -9: no cleanup runs
+    holder.wait()
+    with workdir.Lock(tmp_path):
+        assert json.loads((tmp_path / workdir.LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert any(f"pid {holder.pid}" in r.getMessage() for r in caplog.records)
+
+
+# ------------------------------------------------------------------ the workdir remembers its config
+
+
+def test_a_changed_config_is_refused_listing_the_keys_unless_allowed(tmp_path):
+    grpo = base_config("grpo", "tiny")
+    workdir.record_config(tmp_path, grpo, [])
+    before = snapshot(tmp_path)
+
+    gspo = base_config("gspo", "tiny")
+    gspo.model.embed_dim = 32
+    with pytest.raises(ConfigError) as e:
+        workdir.check_config(tmp_path, gspo, allow_change=False)
+    message = str(e.value)
+    assert "\n" not in message
+    for key in ("algorithm: 'grpo' -> 'gspo'", "loss.ratio: 'token' -> 'sequence'", "model.embed_dim: 64 -> 32"):
+        assert key in message
+    assert snapshot(tmp_path) == before
+
+    longer = base_config("grpo", "tiny")
+    longer.train.num_iterations, longer.train.eval_every = 10, 5  # resumable keys
+    assert workdir.check_config(tmp_path, longer, allow_change=False) == []
+
+    changes = workdir.check_config(tmp_path, gspo, allow_change=True)
+    workdir.record_config(tmp_path, gspo, changes)
+    kept = [p for p in tmp_path.glob("config.*.json")]
+    assert len(kept) == 1 and json.loads(kept[0].read_text())["algorithm"] == "grpo"
+    assert json.loads((tmp_path / "config.json").read_text())["algorithm"] == "gspo"
+
+
+def test_cli_refuses_a_changed_algorithm_on_an_existing_workdir(tmp_path):
+    workdir.record_config(tmp_path, base_config("grpo", "tiny"), [])
+    before = snapshot(tmp_path)
+    r = cli("--config", "configs/gspo.py:tiny", "--workdir", str(tmp_path))
+    assert r.returncode == EXIT_REFUSED
+    assert "algorithm: 'grpo' -> 'gspo'" in one_line(r) and "--allow_config_change" in one_line(r)
+    assert snapshot(tmp_path) == before
+
+
+def test_checkpoints_that_do_not_restore_stop_the_run_instead_of_training_without_saving(tmp_path):
+    with Checkpointer(tmp_path / "checkpoints") as ckpt:
+        ckpt.save(3, {"w": jnp.zeros(3)}, {"iteration": 2, "prompts": {}}, force=True)
+    c = base_config("gspo", "tiny")
+    with pytest.raises(train.CheckpointMismatch, match="use a new workdir"):
+        train.train_and_evaluate(c, tmp_path, progress=False)
+    assert not (tmp_path / "metrics.jsonl").exists()
+
+
+# ------------------------------------------------------------------ non-finite updates
+
+
+def test_an_update_that_would_make_parameters_non_finite_is_skipped():
+    """Loss and gradient are finite, but lr × weight decay overflows float32: the update is rejected."""
+    c = base_config("gspo", "tiny")
+    c.train.update(learning_rate=3e38, weight_decay=1.0, max_grad_norm=0.0, warmup_steps=0)
+    built = build(c)
+    mesh = train.sharding_lib.mesh_from_config(**c.mesh)
+    graphdef, params = train.init_policy(c, built.model, mesh)
+    programs = train.compile_programs(c, built, graphdef, params, mesh)
+    B, T = 4, c.prompt_len + c.max_new_tokens
+    tokens = jnp.ones((B, T), jnp.int32)
+    positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    mask = jnp.zeros((B, T), bool).at[:, -4:].set(True)
+    logp, topk = programs.score(params, tokens, positions)
+    batch = train.TrainBatch(
+        tokens=tokens,
+        positions=positions,
+        completion_mask=mask,
+        loss_mask=mask.astype(jnp.float32),
+        old_logp=logp,
+        ref_logp=logp,
+        advantages=jnp.array([1.0, -1.0, 0.5, -0.5]),
+        topk=topk,
+    )
+    state = train.init_train_state(programs, params, 0)
+    for _ in range(3):  # the schedule's first step has lr 0; a later one overflows
+        before = jax.tree.map(np.asarray, state)
+        state, m = programs.train_step(state, jax.device_put(batch, programs.batch_shardings))
+        assert np.isfinite(float(m["total_loss"].compute())) and np.isfinite(float(m["grad_norm"].compute()))
+        if float(m["skipped"].compute()):
+            chex.assert_trees_all_equal(jax.tree.map(np.asarray, state), before)
+            break
+    else:
+        pytest.fail("no update was skipped")
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))
+
+
+# ------------------------------------------------------------------ interruptions
+
+
+def _signal_after(monkeypatch, iteration, *signums):
+    original = train.rl_iteration
+
+    def iteration_then_signal(programs, rollout, config, state, prompts, it, *args):
+        out = original(programs, rollout, config, state, prompts, it, *args)
+        if it == iteration:
+            for signum in signums:
+                os.kill(os.getpid(), signum)
+        return out
+
+    monkeypatch.setattr(train, "rl_iteration", iteration_then_signal)
+
+
+@pytest.mark.slow
+def test_sigint_stops_like_sigterm_and_a_second_one_stops_at_once(tmp_path, monkeypatch):
+    c = base_config("dapo", "tiny")
+    c.train.num_iterations = 4
+    with monkeypatch.context() as m, pytest.raises(train.StoppedEarly, match="SIGINT after iteration 0"):
+        _signal_after(m, 0, signal.SIGINT)
+        train.train_and_evaluate(c, tmp_path, progress=False)
+    assert Checkpointer(tmp_path / "checkpoints").all_steps() == [1]
+    assert rows(tmp_path) == [0, 1]
+
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+        _signal_after(m, 2, signal.SIGINT, signal.SIGINT)  # after iteration 2 wrote its row, before its save
+        train.train_and_evaluate(c, tmp_path, progress=False)
+    assert Checkpointer(tmp_path / "checkpoints").all_steps() == [1, 2]
+    assert rows(tmp_path) == [0, 1, 2]
+
+    train.train_and_evaluate(c, tmp_path, progress=False)  # resumes from step 2 and finishes
+    assert rows(tmp_path) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_after_a_crash_metrics_hold_one_row_per_step(tmp_path, monkeypatch):
+    c = base_config("gspo", "tiny")
+    c.train.update(num_iterations=4, checkpoint_every=2)
+    original = train.rl_iteration
+
+    def crash_in_iteration_3(programs, rollout, config, state, prompts, it, *args):
+        if it == 3:
+            raise RuntimeError("the machine died")
+        return original(programs, rollout, config, state, prompts, it, *args)
+
+    with monkeypatch.context() as m, pytest.raises(RuntimeError, match="died"):
+        m.setattr(train, "rl_iteration", crash_in_iteration_3)
+        train.train_and_evaluate(c, tmp_path, progress=False)
+    assert rows(tmp_path) == [0, 1, 2, 3]  # step 3 is past the last checkpoint (2)
+    assert Checkpointer(tmp_path / "checkpoints").all_steps() == [2]
+    train.train_and_evaluate(c, tmp_path, progress=False)
+    assert rows(tmp_path) == [0, 1, 2, 3, 4]
+
+
+@pytest.mark.slow
+def test_cli_exit_codes_stopped_then_finished(tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    args = [sys.executable, "scripts/train.py", "--config", "configs/gspo.py:tiny", "--workdir", str(tmp_path)]
+    proc = subprocess.Popen(args, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 240
+    while not ((tmp_path / "metrics.jsonl").exists() and len(rows(tmp_path)) >= 2):
+        assert time.time() < deadline and proc.poll() is None
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == EXIT_STOPPED, err
+    assert "rerun to resume" in err
+    assert not list(tmp_path.glob("plots/*.png"))  # only a finished run plots
+
+    r = cli("--config", "configs/gspo.py:tiny", "--workdir", str(tmp_path))
+    assert r.returncode == 0, r.stderr
+    assert rows(tmp_path) == [0, 1, 2, 3]
+    assert list(tmp_path.glob("plots/*.png")) or list(tmp_path.glob("*.png"))
