@@ -17,16 +17,6 @@ if os.environ.get("CI"):
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
-@pytest.fixture(params=[False, True], ids=["eager", "jit"])
-def maybe_jit(request):
-    """Runs a test once with the function as is and once under `jax.jit`."""
-
-    def wrap(fn, **jit_kwargs):
-        return jax.jit(fn, **jit_kwargs) if request.param else fn
-
-    return wrap
-
-
 @pytest.fixture
 def compile_counter():
     """XLA compiles since the test started (or since `compile_counter.reset()`)."""

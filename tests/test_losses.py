@@ -7,11 +7,13 @@ token's ∇logp gets, which is what the formulas specify.
 import dataclasses
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from absl.testing import parameterized
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gspo_jax import losses, metrics
@@ -21,7 +23,7 @@ from gspo_jax.losses import LossConfig, loss_denominator, policy_loss, token_log
 PRESETS = {name: a.loss for name, a in ALGORITHMS.items()}
 
 ALL = sorted(PRESETS)
-HYP = settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+HYP = settings(max_examples=20, deadline=None)
 
 
 def make_batch(seed, B=6, T=12, spread=0.3, per_token_adv=False, min_len=1):
@@ -44,16 +46,17 @@ def loss_fn(cfg, **kw):
     return lambda logp, old, adv, mask, ref: policy_loss(cfg, logp, old, adv, mask, ref, **kw)[0]
 
 
-def grad_logp(cfg, logp, old, adv, mask, ref=None, maybe_jit=None, **kw):
+def grad_logp(cfg, logp, old, adv, mask, ref=None, variant=None, **kw):
+    """d loss / d logp; `variant` is chex's `self.variant` (the function as is, or under jax.jit)."""
     g = jax.grad(loss_fn(cfg, **kw))
-    if maybe_jit is not None:
-        g = maybe_jit(g)
+    if variant is not None:
+        g = variant(g)
     return g(logp, old, adv, mask, ref)
 
 
-def run(maybe_jit, cfg, *args, **kw):
+def run(variant, cfg, *args, **kw):
     """(loss, metric values)."""
-    fn = maybe_jit(functools.partial(policy_loss, cfg))
+    fn = variant(functools.partial(policy_loss, cfg))
     loss, m = fn(*args, **kw)
     return loss, metrics.compute(m)
 
@@ -61,83 +64,87 @@ def run(maybe_jit, cfg, *args, **kw):
 # ------------------------------------------------------------------ gradient identities
 
 
-def test_grpo_gradient_at_ratio_one_is_plain_policy_gradient(maybe_jit):
-    logp, _, adv, mask, _ = make_batch(0)
-    cfg = PRESETS["grpo"]  # includes the k3 KL term, whose gradient vanishes at ref = logp
-    g = grad_logp(cfg, logp, logp, adv, mask, logp, maybe_jit)
-    m = np.asarray(mask)
-    n_seq = (m.sum(1) > 0).sum()
-    expected = -np.asarray(adv)[:, None] * m / np.maximum(m.sum(1, keepdims=True), 1) / n_seq
-    np.testing.assert_allclose(g, expected, rtol=1e-6, atol=1e-8)
+class TestGradientIdentities(chex.TestCase):
+    """Each test runs twice: eagerly and under `jax.jit` (chex variants), here and in the classes below."""
 
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_grpo_gradient_at_ratio_one_is_plain_policy_gradient(self):
+        logp, _, adv, mask, _ = make_batch(0)
+        cfg = PRESETS["grpo"]  # includes the k3 KL term, whose gradient vanishes at ref = logp
+        g = grad_logp(cfg, logp, logp, adv, mask, logp, self.variant)
+        m = np.asarray(mask)
+        n_seq = (m.sum(1) > 0).sum()
+        expected = -np.asarray(adv)[:, None] * m / np.maximum(m.sum(1, keepdims=True), 1) / n_seq
+        np.testing.assert_allclose(g, expected, rtol=1e-6, atol=1e-8)
 
-def test_gspo_gradient_is_sequence_ratio_times_mean_token_gradient(maybe_jit):
-    logp, old, adv, mask, _ = make_batch(1, spread=1e-3)
-    cfg = dataclasses.replace(PRESETS["gspo"], eps_low=1.0, eps_high=10.0)  # nothing clipped
-    g = grad_logp(cfg, logp, old, adv, mask, None, maybe_jit)
-    m = np.asarray(mask, np.float64)
-    n = m.sum(1)
-    s = np.exp(((np.asarray(logp, np.float64) - np.asarray(old)) * m).sum(1) / n)
-    expected = -(s * np.asarray(adv))[:, None] * m / n[:, None] / len(n)
-    np.testing.assert_allclose(g, expected, rtol=1e-5, atol=1e-9)
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_gspo_gradient_is_sequence_ratio_times_mean_token_gradient(self):
+        logp, old, adv, mask, _ = make_batch(1, spread=1e-3)
+        cfg = dataclasses.replace(PRESETS["gspo"], eps_low=1.0, eps_high=10.0)  # nothing clipped
+        g = grad_logp(cfg, logp, old, adv, mask, None, self.variant)
+        m = np.asarray(mask, np.float64)
+        n = m.sum(1)
+        s = np.exp(((np.asarray(logp, np.float64) - np.asarray(old)) * m).sum(1) / n)
+        expected = -(s * np.asarray(adv))[:, None] * m / n[:, None] / len(n)
+        np.testing.assert_allclose(g, expected, rtol=1e-5, atol=1e-9)
 
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_gspo_clipped_sequence_contributes_nothing(self):
+        logp, _, _, mask, _ = make_batch(2, B=4)
+        m = np.asarray(mask)
+        n = m.sum(1, keepdims=True)
+        # sequence log-ratios +1e-3 with A > 0 (clipped high), -1e-3 with A < 0 (clipped low), and two free
+        shift = np.array([1e-3, -1e-3, 1e-4, -1e-4], np.float32)[:, None]
+        old = logp - jnp.asarray(shift * m)
+        adv = jnp.asarray([1.0, -1.0, 1.0, -1.0])
+        cfg = PRESETS["gspo"]
+        g = np.asarray(grad_logp(cfg, logp, old, adv, mask, None, self.variant))
+        assert np.all(g[:2] == 0.0)
+        assert np.all(g[2:][m[2:] > 0] != 0.0)
+        _, met = run(self.variant, cfg, logp, old, adv, mask)
+        assert met["seq_clip_frac"] == pytest.approx(0.5)
+        assert met["clip_frac_high"] == pytest.approx(m[0].sum() / m.sum())
+        assert met["clip_frac_low"] == pytest.approx(m[1].sum() / m.sum())
+        del n
 
-def test_gspo_clipped_sequence_contributes_nothing(maybe_jit):
-    logp, _, _, mask, _ = make_batch(2, B=4)
-    m = np.asarray(mask)
-    n = m.sum(1, keepdims=True)
-    # sequence log-ratios +1e-3 with A > 0 (clipped high), -1e-3 with A < 0 (clipped low), and two free
-    shift = np.array([1e-3, -1e-3, 1e-4, -1e-4], np.float32)[:, None]
-    old = logp - jnp.asarray(shift * m)
-    adv = jnp.asarray([1.0, -1.0, 1.0, -1.0])
-    cfg = PRESETS["gspo"]
-    g = np.asarray(grad_logp(cfg, logp, old, adv, mask, None, maybe_jit))
-    assert np.all(g[:2] == 0.0)
-    assert np.all(g[2:][m[2:] > 0] != 0.0)
-    _, met = run(maybe_jit, cfg, logp, old, adv, mask)
-    assert met["seq_clip_frac"] == pytest.approx(0.5)
-    assert met["clip_frac_high"] == pytest.approx(m[0].sum() / m.sum())
-    assert met["clip_frac_low"] == pytest.approx(m[1].sum() / m.sum())
-    del n
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters((f"seed{seed}", seed) for seed in (0, 1, 2))
+    def test_gspo_token_equals_gspo_for_constant_advantages(self, seed):
+        logp, old, adv, mask, _ = make_batch(seed, B=8, T=16, spread=2e-3)  # mix of clipped and free
+        gspo, gspo_tok = PRESETS["gspo"], PRESETS["gspo_token"]
+        adv_BT = jnp.broadcast_to(adv[:, None], mask.shape)
+        l1, m1 = run(self.variant, gspo, logp, old, adv, mask)
+        l2, m2 = run(self.variant, gspo_tok, logp, old, adv_BT, mask)
+        np.testing.assert_allclose(l1, l2, rtol=1e-5, atol=1e-9)  # float32 rounding of a mean
+        for k in ("clip_frac", "clip_frac_low", "clip_frac_high", "seq_clip_frac"):
+            assert m1[k] == pytest.approx(float(m2[k]), abs=1e-7), k
+        assert 0 < m1["seq_clip_frac"] < 1  # the seed really mixes clipped and unclipped sequences
+        g1 = grad_logp(gspo, logp, old, adv, mask, None, self.variant)
+        g2 = grad_logp(gspo_tok, logp, old, adv_BT, mask, None, self.variant)
+        np.testing.assert_allclose(g1, g2, rtol=1e-5, atol=1e-9)
 
-
-@pytest.mark.parametrize("seed", [0, 1, 2])
-def test_gspo_token_equals_gspo_for_constant_advantages(maybe_jit, seed):
-    logp, old, adv, mask, _ = make_batch(seed, B=8, T=16, spread=2e-3)  # mix of clipped and free
-    gspo, gspo_tok = PRESETS["gspo"], PRESETS["gspo_token"]
-    adv_BT = jnp.broadcast_to(adv[:, None], mask.shape)
-    l1, m1 = run(maybe_jit, gspo, logp, old, adv, mask)
-    l2, m2 = run(maybe_jit, gspo_tok, logp, old, adv_BT, mask)
-    np.testing.assert_allclose(l1, l2, rtol=1e-5, atol=1e-9)  # float32 rounding of a mean
-    for k in ("clip_frac", "clip_frac_low", "clip_frac_high", "seq_clip_frac"):
-        assert m1[k] == pytest.approx(float(m2[k]), abs=1e-7), k
-    assert 0 < m1["seq_clip_frac"] < 1  # the seed really mixes clipped and unclipped sequences
-    g1 = grad_logp(gspo, logp, old, adv, mask, None, maybe_jit)
-    g2 = grad_logp(gspo_tok, logp, old, adv_BT, mask, None, maybe_jit)
-    np.testing.assert_allclose(g1, g2, rtol=1e-5, atol=1e-9)
-
-
-def test_gspo_on_length_one_completions_equals_token_clipping(maybe_jit):
-    rng = np.random.default_rng(3)
-    B, T = 16, 5
-    mask = np.zeros((B, T), np.float32)
-    mask[np.arange(B), rng.integers(0, T, B)] = 1
-    logp = jnp.asarray(-rng.exponential(1.0, (B, T)), jnp.float32)
-    old = logp + jnp.asarray(rng.normal(0, 0.3, (B, T)), jnp.float32)
-    adv = jnp.asarray(rng.normal(0, 1, B), jnp.float32)
-    mask = jnp.asarray(mask)
-    gspo = dataclasses.replace(PRESETS["gspo"], eps_low=0.2, eps_high=0.28)
-    tok = LossConfig(ratio="token", eps_low=0.2, eps_high=0.28, aggregation="seq_mean_token_mean")
-    l1, m1 = run(maybe_jit, gspo, logp, old, adv, mask)
-    l2, m2 = run(maybe_jit, tok, logp, old, adv, mask)
-    np.testing.assert_allclose(l1, l2, rtol=1e-6)
-    assert float(m1["clip_frac"]) == pytest.approx(float(m2["clip_frac"]))
-    assert 0 < float(m1["clip_frac"]) < 1
-    np.testing.assert_allclose(
-        grad_logp(gspo, logp, old, adv, mask, None, maybe_jit),
-        grad_logp(tok, logp, old, adv, mask, None, maybe_jit),
-        rtol=1e-6,
-    )
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_gspo_on_length_one_completions_equals_token_clipping(self):
+        rng = np.random.default_rng(3)
+        B, T = 16, 5
+        mask = np.zeros((B, T), np.float32)
+        mask[np.arange(B), rng.integers(0, T, B)] = 1
+        logp = jnp.asarray(-rng.exponential(1.0, (B, T)), jnp.float32)
+        old = logp + jnp.asarray(rng.normal(0, 0.3, (B, T)), jnp.float32)
+        adv = jnp.asarray(rng.normal(0, 1, B), jnp.float32)
+        mask = jnp.asarray(mask)
+        gspo = dataclasses.replace(PRESETS["gspo"], eps_low=0.2, eps_high=0.28)
+        tok = LossConfig(ratio="token", eps_low=0.2, eps_high=0.28, aggregation="seq_mean_token_mean")
+        l1, m1 = run(self.variant, gspo, logp, old, adv, mask)
+        l2, m2 = run(self.variant, tok, logp, old, adv, mask)
+        np.testing.assert_allclose(l1, l2, rtol=1e-6)
+        assert float(m1["clip_frac"]) == pytest.approx(float(m2["clip_frac"]))
+        assert 0 < float(m1["clip_frac"]) < 1
+        np.testing.assert_allclose(
+            grad_logp(gspo, logp, old, adv, mask, None, self.variant),
+            grad_logp(tok, logp, old, adv, mask, None, self.variant),
+            rtol=1e-6,
+        )
 
 
 # ------------------------------------------------------------------ clipping
@@ -151,90 +158,92 @@ def _ratio_grid(ratios, advs):
     return logp, old, jnp.asarray(advs, jnp.float32)[None], jnp.ones((1, len(r)), jnp.float32)
 
 
-@pytest.mark.parametrize("name", ["grpo", "dapo"])
-def test_clipped_tokens_get_exactly_zero_gradient(maybe_jit, name):
-    cfg = dataclasses.replace(PRESETS[name], kl_coef=0.0)
-    lo, hi = 1 - cfg.eps_low, 1 + cfg.eps_high
-    ratios = [0.5, lo - 0.05, lo + 0.05, 1.0, hi - 0.05, hi + 0.05, 2.0]
-    for sign in (1.0, -1.0):
-        logp, old, adv, mask = _ratio_grid(ratios, [sign] * len(ratios))
-        g = np.asarray(grad_logp(cfg, logp, old, adv, mask, None, maybe_jit))[0]
-        r = np.array(ratios)
-        clipped = (r > hi) if sign > 0 else (r < lo)
-        assert np.all(g[clipped] == 0.0)
-        assert np.all(g[~clipped] != 0.0)
-        # unclipped tokens get -A·r / (T · N_seq) exactly
-        np.testing.assert_allclose(g[~clipped], -sign * r[~clipped] / len(r), rtol=1e-5)
+class TestClipping(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(("grpo", "grpo"), ("dapo", "dapo"))
+    def test_clipped_tokens_get_exactly_zero_gradient(self, name):
+        cfg = dataclasses.replace(PRESETS[name], kl_coef=0.0)
+        lo, hi = 1 - cfg.eps_low, 1 + cfg.eps_high
+        ratios = [0.5, lo - 0.05, lo + 0.05, 1.0, hi - 0.05, hi + 0.05, 2.0]
+        for sign in (1.0, -1.0):
+            logp, old, adv, mask = _ratio_grid(ratios, [sign] * len(ratios))
+            g = np.asarray(grad_logp(cfg, logp, old, adv, mask, None, self.variant))[0]
+            r = np.array(ratios)
+            clipped = (r > hi) if sign > 0 else (r < lo)
+            assert np.all(g[clipped] == 0.0)
+            assert np.all(g[~clipped] != 0.0)
+            # unclipped tokens get -A·r / (T · N_seq) exactly
+            np.testing.assert_allclose(g[~clipped], -sign * r[~clipped] / len(r), rtol=1e-5)
 
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_dapo_clip_higher_is_asymmetric(self):
+        logp, old, adv, mask = _ratio_grid([1.25, 1.25, 0.82, 0.78], [1.0, 1.0, -1.0, -1.0])
+        g_dapo = np.asarray(grad_logp(PRESETS["dapo"], logp, old, adv, mask, None, self.variant))[0]
+        sym = LossConfig(eps_low=0.2, eps_high=0.2, aggregation="token_mean")
+        g_sym = np.asarray(grad_logp(sym, logp, old, adv, mask, None, self.variant))[0]
+        assert g_dapo[0] != 0 and g_sym[0] == 0  # 1.25 < 1.28 survives clip-higher, not 1.2
+        assert g_dapo[2] != 0 and g_dapo[3] == 0  # low side stays at 0.8
+        _, met = run(self.variant, PRESETS["dapo"], logp, old, adv, mask)
+        assert float(met["clip_frac_low"]) == pytest.approx(0.25)
+        assert float(met["clip_frac_high"]) == 0.0
 
-def test_dapo_clip_higher_is_asymmetric(maybe_jit):
-    logp, old, adv, mask = _ratio_grid([1.25, 1.25, 0.82, 0.78], [1.0, 1.0, -1.0, -1.0])
-    g_dapo = np.asarray(grad_logp(PRESETS["dapo"], logp, old, adv, mask, None, maybe_jit))[0]
-    sym = LossConfig(eps_low=0.2, eps_high=0.2, aggregation="token_mean")
-    g_sym = np.asarray(grad_logp(sym, logp, old, adv, mask, None, maybe_jit))[0]
-    assert g_dapo[0] != 0 and g_sym[0] == 0  # 1.25 < 1.28 survives clip-higher, not 1.2
-    assert g_dapo[2] != 0 and g_dapo[3] == 0  # low side stays at 0.8
-    _, met = run(maybe_jit, PRESETS["dapo"], logp, old, adv, mask)
-    assert float(met["clip_frac_low"]) == pytest.approx(0.25)
-    assert float(met["clip_frac_high"]) == 0.0
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_dual_clip_caps_negative_advantage_losses(self):
+        cfg = LossConfig(eps_low=0.2, eps_high=0.2, dual_clip_c=3.0, aggregation="token_mean")
+        plain = dataclasses.replace(cfg, dual_clip_c=None)
+        logp, old, adv, mask = _ratio_grid([2.0, 5.0, 5.0], [-1.0, -1.0, 1.0])
+        loss, met = run(self.variant, cfg, logp, old, adv, mask)
+        loss_plain, _ = run(self.variant, plain, logp, old, adv, mask)
+        # token losses: 2·1 (below c), min(5, 3)·1 = 3 (capped), -clip(5)·1 = -1.2 (A > 0, clipped high)
+        assert float(loss) == pytest.approx((2.0 + 3.0 - 1.2) / 3, rel=1e-5)
+        assert float(loss_plain) == pytest.approx((2.0 + 5.0 - 1.2) / 3, rel=1e-5)
+        g = np.asarray(grad_logp(cfg, logp, old, adv, mask, None, self.variant))[0]
+        assert g[0] != 0 and g[1] == 0 and g[2] == 0
+        assert float(met["dual_clip_frac"]) == pytest.approx(1 / 3)
 
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_cispo_never_drops_a_token_and_weights_by_clipped_ratio(self):
+        cfg = PRESETS["cispo"]
+        ratios = [0.1, 0.9, 1.0, 1.1, 1.5, 3.0]
+        logp, old, adv, mask = _ratio_grid(ratios, [1.0, -1.0, 1.0, -1.0, 1.0, -1.0])
+        g = np.asarray(grad_logp(cfg, logp, old, adv, mask, None, self.variant))[0]
+        w = np.clip(ratios, 1 - cfg.eps_low, 1 + cfg.eps_high)
+        np.testing.assert_allclose(g, -w * np.asarray(adv)[0] / len(ratios), rtol=1e-6)
+        _, met = run(self.variant, cfg, logp, old, adv, mask)
+        assert float(met["clip_frac_high"]) == pytest.approx(2 / 6)
 
-def test_dual_clip_caps_negative_advantage_losses(maybe_jit):
-    cfg = LossConfig(eps_low=0.2, eps_high=0.2, dual_clip_c=3.0, aggregation="token_mean")
-    plain = dataclasses.replace(cfg, dual_clip_c=None)
-    logp, old, adv, mask = _ratio_grid([2.0, 5.0, 5.0], [-1.0, -1.0, 1.0])
-    loss, met = run(maybe_jit, cfg, logp, old, adv, mask)
-    loss_plain, _ = run(maybe_jit, plain, logp, old, adv, mask)
-    # token losses: 2·1 (below c), min(5, 3)·1 = 3 (capped), -clip(5)·1 = -1.2 (A > 0, clipped high)
-    assert float(loss) == pytest.approx((2.0 + 3.0 - 1.2) / 3, rel=1e-5)
-    assert float(loss_plain) == pytest.approx((2.0 + 5.0 - 1.2) / 3, rel=1e-5)
-    g = np.asarray(grad_logp(cfg, logp, old, adv, mask, None, maybe_jit))[0]
-    assert g[0] != 0 and g[1] == 0 and g[2] == 0
-    assert float(met["dual_clip_frac"]) == pytest.approx(1 / 3)
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_sapo_soft_gate_values_and_gradient(self):
+        cfg = PRESETS["sapo"]
+        ratios = np.array([1.0, 1.0, 1.5, 0.5], np.float32)
+        a = np.array([2.0, -2.0, 1.0, -1.0], np.float32)
+        logp, old, adv, mask = _ratio_grid(ratios, a)
+        loss, met = run(self.variant, cfg, logp, old, adv, mask)
+        tau = np.where(a > 0, 1.0, 1.05)
+        sig = 1 / (1 + np.exp(-tau * (ratios - 1)))
+        assert float(loss) == pytest.approx(np.mean(-a * 4 / tau * sig), rel=1e-5)
+        g = np.asarray(grad_logp(cfg, logp, old, adv, mask, None, self.variant))[0]
+        np.testing.assert_allclose(g, -a * 4 * sig * (1 - sig) * ratios / 4, rtol=1e-5)
+        assert g[0] == pytest.approx(-2.0 / 4)  # equals the policy gradient at r = 1
+        assert float(met["clip_frac"]) == 0.0
 
-
-def test_cispo_never_drops_a_token_and_weights_by_clipped_ratio(maybe_jit):
-    cfg = PRESETS["cispo"]
-    ratios = [0.1, 0.9, 1.0, 1.1, 1.5, 3.0]
-    logp, old, adv, mask = _ratio_grid(ratios, [1.0, -1.0, 1.0, -1.0, 1.0, -1.0])
-    g = np.asarray(grad_logp(cfg, logp, old, adv, mask, None, maybe_jit))[0]
-    w = np.clip(ratios, 1 - cfg.eps_low, 1 + cfg.eps_high)
-    np.testing.assert_allclose(g, -w * np.asarray(adv)[0] / len(ratios), rtol=1e-6)
-    _, met = run(maybe_jit, cfg, logp, old, adv, mask)
-    assert float(met["clip_frac_high"]) == pytest.approx(2 / 6)
-
-
-def test_sapo_soft_gate_values_and_gradient(maybe_jit):
-    cfg = PRESETS["sapo"]
-    ratios = np.array([1.0, 1.0, 1.5, 0.5], np.float32)
-    a = np.array([2.0, -2.0, 1.0, -1.0], np.float32)
-    logp, old, adv, mask = _ratio_grid(ratios, a)
-    loss, met = run(maybe_jit, cfg, logp, old, adv, mask)
-    tau = np.where(a > 0, 1.0, 1.05)
-    sig = 1 / (1 + np.exp(-tau * (ratios - 1)))
-    assert float(loss) == pytest.approx(np.mean(-a * 4 / tau * sig), rel=1e-5)
-    g = np.asarray(grad_logp(cfg, logp, old, adv, mask, None, maybe_jit))[0]
-    np.testing.assert_allclose(g, -a * 4 * sig * (1 - sig) * ratios / 4, rtol=1e-5)
-    assert g[0] == pytest.approx(-2.0 / 4)  # equals the policy gradient at r = 1
-    assert float(met["clip_frac"]) == 0.0
-
-
-def test_gmpo_clips_tokens_in_log_space_on_the_advantage_side(maybe_jit):
-    cfg = PRESETS["gmpo"]  # eps 0.4 in log space
-    delta = np.array([[0.6, 0.1, -0.6, 0.0], [0.6, 0.1, -0.6, 0.0]], np.float32)
-    logp = jnp.full(delta.shape, -1.0)
-    old = logp - jnp.asarray(delta)
-    adv = jnp.asarray([1.0, -1.0])
-    mask = jnp.ones(delta.shape)
-    loss, met = run(maybe_jit, cfg, logp, old, adv, mask)
-    x_pos = np.exp(np.mean([0.4, 0.1, -0.6, 0.0]))  # A > 0 clips only the high side
-    x_neg = np.exp(np.mean([0.6, 0.1, -0.4, 0.0]))  # A < 0 clips only the low side
-    assert float(loss) == pytest.approx((-x_pos + x_neg) / 2, rel=1e-5)
-    g = np.asarray(grad_logp(cfg, logp, old, adv, mask, None, maybe_jit))
-    np.testing.assert_allclose(g[0], [0.0, -x_pos / 8, -x_pos / 8, -x_pos / 8], rtol=1e-5)
-    np.testing.assert_allclose(g[1], [x_neg / 8, x_neg / 8, 0.0, x_neg / 8], rtol=1e-5)
-    assert float(met["clip_frac_high"]) == pytest.approx(1 / 8)
-    assert float(met["clip_frac_low"]) == pytest.approx(1 / 8)
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_gmpo_clips_tokens_in_log_space_on_the_advantage_side(self):
+        cfg = PRESETS["gmpo"]  # eps 0.4 in log space
+        delta = np.array([[0.6, 0.1, -0.6, 0.0], [0.6, 0.1, -0.6, 0.0]], np.float32)
+        logp = jnp.full(delta.shape, -1.0)
+        old = logp - jnp.asarray(delta)
+        adv = jnp.asarray([1.0, -1.0])
+        mask = jnp.ones(delta.shape)
+        loss, met = run(self.variant, cfg, logp, old, adv, mask)
+        x_pos = np.exp(np.mean([0.4, 0.1, -0.6, 0.0]))  # A > 0 clips only the high side
+        x_neg = np.exp(np.mean([0.6, 0.1, -0.4, 0.0]))  # A < 0 clips only the low side
+        assert float(loss) == pytest.approx((-x_pos + x_neg) / 2, rel=1e-5)
+        g = np.asarray(grad_logp(cfg, logp, old, adv, mask, None, self.variant))
+        np.testing.assert_allclose(g[0], [0.0, -x_pos / 8, -x_pos / 8, -x_pos / 8], rtol=1e-5)
+        np.testing.assert_allclose(g[1], [x_neg / 8, x_neg / 8, 0.0, x_neg / 8], rtol=1e-5)
+        assert float(met["clip_frac_high"]) == pytest.approx(1 / 8)
+        assert float(met["clip_frac_low"]) == pytest.approx(1 / 8)
 
 
 # ------------------------------------------------------------------ aggregation
@@ -249,29 +258,11 @@ def _long_short():
     return logp, jnp.asarray([1.0, 1.0]), jnp.asarray(mask)
 
 
-@pytest.mark.parametrize(
-    "cfg, w_long, w_short",
-    [
-        (LossConfig(aggregation="seq_mean_token_mean"), 1 / 200 / 2, 1 / 10 / 2),
-        (LossConfig(aggregation="token_mean"), 1 / 210, 1 / 210),
-        (LossConfig(aggregation="seq_mean_token_sum_norm", sum_norm_len=300.0), 1 / 300 / 2, 1 / 300 / 2),
-        (PRESETS["gspo"], 1 / 200 / 2, 1 / 10 / 2),
-    ],
-    ids=["seq_mean_token_mean", "token_mean", "sum_norm", "sequence"],
-)
-def test_aggregation_worked_example_200_and_10_tokens(maybe_jit, cfg, w_long, w_short):
-    logp, adv, mask = _long_short()
-    g = np.asarray(grad_logp(cfg, logp, logp, adv, mask, None, maybe_jit))
-    np.testing.assert_allclose(g[0, :200], -w_long, rtol=1e-6)
-    np.testing.assert_allclose(g[1, :10], -w_short, rtol=1e-6)
-    assert np.all(g[0, 200:] == 0) and np.all(g[1, 10:] == 0)
-
-
-def _split_sum(cfg, maybe_jit, batch, splits):
+def _split_sum(cfg, variant, batch, splits):
     logp, old, adv, mask, ref = batch
     denom = loss_denominator(cfg, mask)
-    f = maybe_jit(loss_fn(cfg, denominator=denom))
-    gf = maybe_jit(jax.grad(loss_fn(cfg, denominator=denom)))
+    f = variant(loss_fn(cfg, denominator=denom))
+    gf = variant(jax.grad(loss_fn(cfg, denominator=denom)))
     total, grads = 0.0, []
     for idx in np.array_split(np.arange(logp.shape[0]), splits):
         part = [x[idx] for x in (logp, old, adv, mask, ref)]
@@ -280,15 +271,31 @@ def _split_sum(cfg, maybe_jit, batch, splits):
     return total, jnp.concatenate(grads)
 
 
-@pytest.mark.parametrize("name", ALL)
-def test_minibatch_split_sums_to_full_batch(maybe_jit, name):
-    cfg = PRESETS[name]
-    batch = make_batch(4, B=8, T=10, spread=0.1 if name not in ("gspo", "gspo_token") else 3e-4)
-    full, _ = run(maybe_jit, cfg, *batch[:4], batch[4])
-    full_g = grad_logp(cfg, *batch, maybe_jit=maybe_jit)
-    total, g = _split_sum(cfg, maybe_jit, batch, splits=4)
-    np.testing.assert_allclose(total, full, rtol=1e-5, atol=1e-7)
-    np.testing.assert_allclose(g, full_g, rtol=1e-5, atol=1e-8)
+class TestAggregation(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(
+        ("seq_mean_token_mean", LossConfig(aggregation="seq_mean_token_mean"), 1 / 200 / 2, 1 / 10 / 2),
+        ("token_mean", LossConfig(aggregation="token_mean"), 1 / 210, 1 / 210),
+        ("sum_norm", LossConfig(aggregation="seq_mean_token_sum_norm", sum_norm_len=300.0), 1 / 300 / 2, 1 / 300 / 2),
+        ("sequence", PRESETS["gspo"], 1 / 200 / 2, 1 / 10 / 2),
+    )
+    def test_aggregation_worked_example_200_and_10_tokens(self, cfg, w_long, w_short):
+        logp, adv, mask = _long_short()
+        g = np.asarray(grad_logp(cfg, logp, logp, adv, mask, None, self.variant))
+        np.testing.assert_allclose(g[0, :200], -w_long, rtol=1e-6)
+        np.testing.assert_allclose(g[1, :10], -w_short, rtol=1e-6)
+        assert np.all(g[0, 200:] == 0) and np.all(g[1, 10:] == 0)
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters((name, name) for name in ALL)
+    def test_minibatch_split_sums_to_full_batch(self, name):
+        cfg = PRESETS[name]
+        batch = make_batch(4, B=8, T=10, spread=0.1 if name not in ("gspo", "gspo_token") else 3e-4)
+        full, _ = run(self.variant, cfg, *batch[:4], batch[4])
+        full_g = grad_logp(cfg, *batch, variant=self.variant)
+        total, g = _split_sum(cfg, self.variant, batch, splits=4)
+        np.testing.assert_allclose(total, full, rtol=1e-5, atol=1e-7)
+        np.testing.assert_allclose(g, full_g, rtol=1e-5, atol=1e-8)
 
 
 def test_local_denominator_differs_from_global_for_token_mean():
@@ -305,84 +312,118 @@ def test_local_denominator_differs_from_global_for_token_mean():
 # ------------------------------------------------------------------ masks and edge cases
 
 
-@pytest.mark.parametrize("name", ALL)
-def test_masked_positions_change_neither_loss_nor_gradient(maybe_jit, name):
-    cfg = PRESETS[name]
-    logp, old, adv, mask, ref = make_batch(6, spread=0.1)
-    off = mask == 0
-    junk = jnp.asarray(np.random.default_rng(0).normal(0, 50, mask.shape), jnp.float32)
-    logp2, old2, ref2 = (jnp.where(off, junk * k, x) for k, x in ((1, logp), (-2, old), (3, ref)))
-    l1, _ = run(maybe_jit, cfg, logp, old, adv, mask, ref)
-    l2, _ = run(maybe_jit, cfg, logp2, old2, adv, mask, ref2)
-    assert float(l1) == float(l2)
-    g1 = grad_logp(cfg, logp, old, adv, mask, ref, maybe_jit)
-    g2 = grad_logp(cfg, logp2, old2, adv, mask, ref2, maybe_jit)
-    np.testing.assert_array_equal(g1, g2)
-    assert np.all(np.asarray(g2)[np.asarray(off)] == 0)
+class TestMasksAndEdgeCases(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters((name, name) for name in ALL)
+    def test_masked_positions_change_neither_loss_nor_gradient(self, name):
+        cfg = PRESETS[name]
+        logp, old, adv, mask, ref = make_batch(6, spread=0.1)
+        off = mask == 0
+        junk = jnp.asarray(np.random.default_rng(0).normal(0, 50, mask.shape), jnp.float32)
+        logp2, old2, ref2 = (jnp.where(off, junk * k, x) for k, x in ((1, logp), (-2, old), (3, ref)))
+        l1, _ = run(self.variant, cfg, logp, old, adv, mask, ref)
+        l2, _ = run(self.variant, cfg, logp2, old2, adv, mask, ref2)
+        assert float(l1) == float(l2)
+        g1 = grad_logp(cfg, logp, old, adv, mask, ref, self.variant)
+        g2 = grad_logp(cfg, logp2, old2, adv, mask, ref2, self.variant)
+        np.testing.assert_array_equal(g1, g2)
+        assert np.all(np.asarray(g2)[np.asarray(off)] == 0)
 
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters((name, name) for name in ALL)
+    def test_empty_completions_give_finite_loss_and_zero_gradient(self, name):
+        cfg = PRESETS[name]
+        logp, old, adv, mask, ref = make_batch(7)
+        empty = jnp.zeros_like(mask)
+        loss, met = run(self.variant, cfg, logp, old, adv, empty, ref)
+        assert float(loss) == 0.0
+        assert all(np.isfinite(float(v)) for v in met.values())
+        g = grad_logp(cfg, logp, old, adv, empty, ref, self.variant)
+        assert np.all(np.asarray(g) == 0)
 
-@pytest.mark.parametrize("name", ALL)
-def test_empty_completions_give_finite_loss_and_zero_gradient(maybe_jit, name):
-    cfg = PRESETS[name]
-    logp, old, adv, mask, ref = make_batch(7)
-    empty = jnp.zeros_like(mask)
-    loss, met = run(maybe_jit, cfg, logp, old, adv, empty, ref)
-    assert float(loss) == 0.0
-    assert all(np.isfinite(float(v)) for v in met.values())
-    g = grad_logp(cfg, logp, old, adv, empty, ref, maybe_jit)
-    assert np.all(np.asarray(g) == 0)
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters((name, name) for name in ALL)
+    def test_an_empty_completion_is_left_out_of_the_batch(self, name):
+        cfg = PRESETS[name]
+        logp, old, adv, mask, ref = make_batch(8, B=5)
+        mask_e = mask.at[2].set(0.0)
+        keep = np.array([0, 1, 3, 4])
+        l_with, _ = run(self.variant, cfg, logp, old, adv, mask_e, ref)
+        l_without, _ = run(self.variant, cfg, *(x[keep] for x in (logp, old, adv, mask, ref)))
+        np.testing.assert_allclose(l_with, l_without, rtol=1e-6)
+        assert np.all(np.asarray(grad_logp(cfg, logp, old, adv, mask_e, ref, self.variant))[2] == 0)
 
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(
+        (f"{name}_{label}", name, sign) for name in ALL for label, sign in (("pos", 1.0), ("neg", -1.0))
+    )
+    def test_huge_log_ratios_give_finite_loss_and_gradient(self, name, sign):
+        cfg = PRESETS[name]
+        logp, _, adv, mask, ref = make_batch(9)
+        old = logp - sign * 1e4
+        loss, met = run(self.variant, cfg, logp, old, adv, mask, ref - sign * 1e4)
+        assert np.isfinite(float(loss))
+        assert all(np.isfinite(float(v)) for v in met.values())
+        assert np.all(np.isfinite(grad_logp(cfg, logp, old, adv, mask, ref - sign * 1e4, self.variant)))
 
-@pytest.mark.parametrize("name", ALL)
-def test_an_empty_completion_is_left_out_of_the_batch(maybe_jit, name):
-    cfg = PRESETS[name]
-    logp, old, adv, mask, ref = make_batch(8, B=5)
-    mask_e = mask.at[2].set(0.0)
-    keep = np.array([0, 1, 3, 4])
-    l_with, _ = run(maybe_jit, cfg, logp, old, adv, mask_e, ref)
-    l_without, _ = run(maybe_jit, cfg, *(x[keep] for x in (logp, old, adv, mask, ref)))
-    np.testing.assert_allclose(l_with, l_without, rtol=1e-6)
-    assert np.all(np.asarray(grad_logp(cfg, logp, old, adv, mask_e, ref, maybe_jit))[2] == 0)
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(
+        (f"{name}_{jnp.dtype(dtype).name}", name, dtype)
+        for name in ("grpo", "dapo", "gspo", "cispo")
+        for dtype in (jnp.float16, jnp.bfloat16)
+    )
+    def test_low_precision_inputs_are_computed_in_float32(self, name, dtype):
+        cfg = PRESETS[name]
+        batch = make_batch(10)
+        low = [x.astype(dtype) for x in batch]
+        up = [x.astype(jnp.float32) for x in low]
+        l_low, m_low = run(self.variant, cfg, *low[:4], low[4])
+        l_up, _ = run(self.variant, cfg, *up[:4], up[4])
+        assert l_low.dtype == jnp.float32 and all(v.dtype == jnp.float32 for v in m_low.values())
+        assert float(l_low) == float(l_up)  # same values, cast first: identical float32 math
 
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_zero_advantage_fraction_and_ratio_diagnostics(self):
+        logp, old, adv, mask, ref = make_batch(11, B=4)
+        adv = adv.at[1].set(0.0).at[3].set(0.0)
+        _, met = run(self.variant, PRESETS["grpo"], logp, old, adv, mask, ref)
+        assert float(met["zero_adv_frac"]) == 0.5
+        m = np.asarray(mask) > 0
+        r = np.exp(np.clip(np.asarray(logp) - np.asarray(old), -20, 20))[m]
+        assert float(met["ratio_max"]) == pytest.approx(r.max(), rel=1e-6)
+        assert float(met["ratio_min"]) == pytest.approx(r.min(), rel=1e-6)
+        d = (np.asarray(logp) - np.asarray(old))[m]
+        assert float(met["approx_kl"]) == pytest.approx(np.mean(np.exp(d) - d - 1), rel=1e-5)
+        dr = (np.asarray(ref) - np.asarray(logp))[m]
+        assert float(met["kl_ref"]) == pytest.approx(np.mean(np.exp(dr) - dr - 1), rel=1e-5)
 
-@pytest.mark.parametrize("name", ALL)
-@pytest.mark.parametrize("sign", [1.0, -1.0])
-def test_huge_log_ratios_give_finite_loss_and_gradient(maybe_jit, name, sign):
-    cfg = PRESETS[name]
-    logp, _, adv, mask, ref = make_batch(9)
-    old = logp - sign * 1e4
-    loss, met = run(maybe_jit, cfg, logp, old, adv, mask, ref - sign * 1e4)
-    assert np.isfinite(float(loss))
-    assert all(np.isfinite(float(v)) for v in met.values())
-    assert np.all(np.isfinite(grad_logp(cfg, logp, old, adv, mask, ref - sign * 1e4, maybe_jit)))
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(("k1", "k1"), ("k2", "k2"), ("k3", "k3"))
+    def test_kl_term_is_coefficient_times_aggregated_estimator(self, estimator):
+        cfg = LossConfig(kl_coef=0.1, kl_estimator=estimator, aggregation="token_mean")
+        logp, _, adv, mask, ref = make_batch(12)
+        loss, met = run(self.variant, cfg, logp, logp, jnp.zeros_like(adv), mask, ref)
+        m = np.asarray(mask) > 0
+        d = (np.asarray(ref, np.float64) - np.asarray(logp))[m]
+        k = {"k1": -d, "k2": d**2 / 2, "k3": np.exp(d) - d - 1}[estimator]
+        assert float(loss) == pytest.approx(0.1 * k.mean(), rel=1e-5, abs=1e-8)
+        assert float(met["kl_loss"]) == pytest.approx(float(loss))
 
-
-@pytest.mark.parametrize("dtype", [jnp.float16, jnp.bfloat16])
-@pytest.mark.parametrize("name", ["grpo", "dapo", "gspo", "cispo"])
-def test_low_precision_inputs_are_computed_in_float32(maybe_jit, name, dtype):
-    cfg = PRESETS[name]
-    batch = make_batch(10)
-    low = [x.astype(dtype) for x in batch]
-    up = [x.astype(jnp.float32) for x in low]
-    l_low, m_low = run(maybe_jit, cfg, *low[:4], low[4])
-    l_up, _ = run(maybe_jit, cfg, *up[:4], up[4])
-    assert l_low.dtype == jnp.float32 and all(v.dtype == jnp.float32 for v in m_low.values())
-    assert float(l_low) == float(l_up)  # same values, cast first: identical float32 math
-
-
-def test_zero_advantage_fraction_and_ratio_diagnostics(maybe_jit):
-    logp, old, adv, mask, ref = make_batch(11, B=4)
-    adv = adv.at[1].set(0.0).at[3].set(0.0)
-    _, met = run(maybe_jit, PRESETS["grpo"], logp, old, adv, mask, ref)
-    assert float(met["zero_adv_frac"]) == 0.5
-    m = np.asarray(mask) > 0
-    r = np.exp(np.clip(np.asarray(logp) - np.asarray(old), -20, 20))[m]
-    assert float(met["ratio_max"]) == pytest.approx(r.max(), rel=1e-6)
-    assert float(met["ratio_min"]) == pytest.approx(r.min(), rel=1e-6)
-    d = (np.asarray(logp) - np.asarray(old))[m]
-    assert float(met["approx_kl"]) == pytest.approx(np.mean(np.exp(d) - d - 1), rel=1e-5)
-    dr = (np.asarray(ref) - np.asarray(logp))[m]
-    assert float(met["kl_ref"]) == pytest.approx(np.mean(np.exp(dr) - dr - 1), rel=1e-5)
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_token_logprobs_match_float64_log_softmax(self):
+        rng = np.random.default_rng(13)
+        logits = rng.normal(0, 3, (2, 5, 11))
+        tokens = rng.integers(0, 11, (2, 5))
+        for temp in (1.0, 0.7):
+            z = logits / temp
+            ref = z - np.log(np.exp(z).sum(-1, keepdims=True))
+            expect = np.take_along_axis(ref, tokens[..., None], -1)[..., 0]
+            got = self.variant(token_logprobs)(jnp.asarray(logits, jnp.bfloat16).astype(jnp.float32), tokens, temp)
+            np.testing.assert_allclose(got, expect, atol=0.05)  # bf16-rounded logits
+            got = self.variant(token_logprobs)(jnp.asarray(logits, jnp.float32), tokens, temp)
+            np.testing.assert_allclose(got, expect, atol=1e-5)
+        out = token_logprobs(jnp.asarray(logits, jnp.bfloat16), tokens)
+        assert out.dtype == jnp.float32
 
 
 def test_kl_estimators_match_their_formulas():
@@ -392,34 +433,6 @@ def test_kl_estimators_match_their_formulas():
     np.testing.assert_allclose(losses.kl_k2(d), dn**2 / 2)
     np.testing.assert_allclose(losses.kl_k3(d), np.exp(dn) - dn - 1, rtol=1e-6)
     assert np.all(np.asarray(losses.kl_k3(d)) >= 0)
-
-
-@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
-def test_kl_term_is_coefficient_times_aggregated_estimator(maybe_jit, estimator):
-    cfg = LossConfig(kl_coef=0.1, kl_estimator=estimator, aggregation="token_mean")
-    logp, _, adv, mask, ref = make_batch(12)
-    loss, met = run(maybe_jit, cfg, logp, logp, jnp.zeros_like(adv), mask, ref)
-    m = np.asarray(mask) > 0
-    d = (np.asarray(ref, np.float64) - np.asarray(logp))[m]
-    k = {"k1": -d, "k2": d**2 / 2, "k3": np.exp(d) - d - 1}[estimator]
-    assert float(loss) == pytest.approx(0.1 * k.mean(), rel=1e-5, abs=1e-8)
-    assert float(met["kl_loss"]) == pytest.approx(float(loss))
-
-
-def test_token_logprobs_match_float64_log_softmax(maybe_jit):
-    rng = np.random.default_rng(13)
-    logits = rng.normal(0, 3, (2, 5, 11))
-    tokens = rng.integers(0, 11, (2, 5))
-    for temp in (1.0, 0.7):
-        z = logits / temp
-        ref = z - np.log(np.exp(z).sum(-1, keepdims=True))
-        expect = np.take_along_axis(ref, tokens[..., None], -1)[..., 0]
-        got = maybe_jit(token_logprobs)(jnp.asarray(logits, jnp.bfloat16).astype(jnp.float32), tokens, temp)
-        np.testing.assert_allclose(got, expect, atol=0.05)  # bf16-rounded logits
-        got = maybe_jit(token_logprobs)(jnp.asarray(logits, jnp.float32), tokens, temp)
-        np.testing.assert_allclose(got, expect, atol=1e-5)
-    out = token_logprobs(jnp.asarray(logits, jnp.bfloat16), tokens)
-    assert out.dtype == jnp.float32
 
 
 def test_policy_loss_compiles_once_for_new_values(compile_counter):
@@ -514,67 +527,71 @@ def batches(draw, per_token_adv=False):
     return [jnp.asarray(x) for x in (logp, old, adv, mask, ref)]
 
 
-@HYP
-@given(batch=batches(), name=st.sampled_from(ALL), splits=st.integers(1, 3))
-def test_property_finite_and_minibatch_additive(maybe_jit, batch, name, splits):
-    cfg = PRESETS[name]
-    loss, met = run(maybe_jit, cfg, *batch[:4], batch[4])
-    assert np.isfinite(float(loss)) and all(np.isfinite(float(v)) for v in met.values())
-    g = grad_logp(cfg, *batch, maybe_jit=maybe_jit)
-    assert np.all(np.isfinite(g))
-    assert np.all(np.asarray(g)[np.asarray(batch[3]) == 0] == 0)
-    splits = min(splits, batch[0].shape[0])
-    total, g_split = _split_sum(cfg, maybe_jit, batch, splits)
-    np.testing.assert_allclose(total, loss, rtol=1e-4, atol=1e-5)
-    np.testing.assert_allclose(g_split, g, rtol=1e-4, atol=1e-6)
-    for k in ("clip_frac", "clip_frac_low", "clip_frac_high", "seq_clip_frac", "zero_adv_frac"):
-        assert 0.0 <= float(met[k]) <= 1.0
+class TestProperties(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    @HYP
+    @given(batch=batches(), name=st.sampled_from(ALL), splits=st.integers(1, 3))
+    def test_property_finite_and_minibatch_additive(self, batch, name, splits):
+        cfg = PRESETS[name]
+        loss, met = run(self.variant, cfg, *batch[:4], batch[4])
+        assert np.isfinite(float(loss)) and all(np.isfinite(float(v)) for v in met.values())
+        g = grad_logp(cfg, *batch, variant=self.variant)
+        assert np.all(np.isfinite(g))
+        assert np.all(np.asarray(g)[np.asarray(batch[3]) == 0] == 0)
+        splits = min(splits, batch[0].shape[0])
+        total, g_split = _split_sum(cfg, self.variant, batch, splits)
+        np.testing.assert_allclose(total, loss, rtol=1e-4, atol=1e-5)
+        np.testing.assert_allclose(g_split, g, rtol=1e-4, atol=1e-6)
+        for k in ("clip_frac", "clip_frac_low", "clip_frac_high", "seq_clip_frac", "zero_adv_frac"):
+            assert 0.0 <= float(met[k]) <= 1.0
 
-
-@HYP
-@given(
-    batch=batches(per_token_adv=True), name=st.sampled_from(["grpo", "dapo", "gspo_token", "cispo", "sapo", "dr_grpo"])
-)
-def test_property_masked_values_are_ignored(maybe_jit, batch, name):
-    cfg = PRESETS[name]
-    logp, old, adv, mask, ref = batch
-    off = mask == 0
-    logp2, old2, ref2, adv2 = (jnp.where(off, v, x) for v, x in ((7.0, logp), (-1e3, old), (1e3, ref), (1e6, adv)))
-    l1, _ = run(maybe_jit, cfg, logp, old, adv, mask, ref)
-    l2, _ = run(maybe_jit, cfg, logp2, old2, adv2, mask, ref2)
-    assert float(l1) == float(l2)
-    np.testing.assert_array_equal(
-        grad_logp(cfg, logp, old, adv, mask, ref, maybe_jit), grad_logp(cfg, logp2, old2, adv2, mask, ref2, maybe_jit)
+    @chex.variants(with_jit=True, without_jit=True)
+    @HYP
+    @given(
+        batch=batches(per_token_adv=True),
+        name=st.sampled_from(["grpo", "dapo", "gspo_token", "cispo", "sapo", "dr_grpo"]),
     )
+    def test_property_masked_values_are_ignored(self, batch, name):
+        cfg = PRESETS[name]
+        logp, old, adv, mask, ref = batch
+        off = mask == 0
+        logp2, old2, ref2, adv2 = (jnp.where(off, v, x) for v, x in ((7.0, logp), (-1e3, old), (1e3, ref), (1e6, adv)))
+        l1, _ = run(self.variant, cfg, logp, old, adv, mask, ref)
+        l2, _ = run(self.variant, cfg, logp2, old2, adv2, mask, ref2)
+        assert float(l1) == float(l2)
+        np.testing.assert_array_equal(
+            grad_logp(cfg, logp, old, adv, mask, ref, self.variant),
+            grad_logp(cfg, logp2, old2, adv2, mask, ref2, self.variant),
+        )
 
+    @chex.variants(with_jit=True, without_jit=True)
+    @HYP
+    @given(batch=batches())
+    def test_property_gspo_token_equals_gspo(self, batch):
+        logp, old, adv, mask, _ = batch
+        adv_BT = jnp.broadcast_to(adv[:, None], mask.shape)
+        l1, m1 = run(self.variant, PRESETS["gspo"], logp, old, adv, mask)
+        l2, m2 = run(self.variant, PRESETS["gspo_token"], logp, old, adv_BT, mask)
+        np.testing.assert_allclose(l1, l2, rtol=1e-5, atol=1e-6)
+        assert float(m1["clip_frac"]) == pytest.approx(float(m2["clip_frac"]), abs=1e-6)
+        np.testing.assert_allclose(
+            grad_logp(PRESETS["gspo"], logp, old, adv, mask, None, self.variant),
+            grad_logp(PRESETS["gspo_token"], logp, old, adv_BT, mask, None, self.variant),
+            rtol=1e-4,
+            atol=1e-7,
+        )
 
-@HYP
-@given(batch=batches())
-def test_property_gspo_token_equals_gspo(maybe_jit, batch):
-    logp, old, adv, mask, _ = batch
-    adv_BT = jnp.broadcast_to(adv[:, None], mask.shape)
-    l1, m1 = run(maybe_jit, PRESETS["gspo"], logp, old, adv, mask)
-    l2, m2 = run(maybe_jit, PRESETS["gspo_token"], logp, old, adv_BT, mask)
-    np.testing.assert_allclose(l1, l2, rtol=1e-5, atol=1e-6)
-    assert float(m1["clip_frac"]) == pytest.approx(float(m2["clip_frac"]), abs=1e-6)
-    np.testing.assert_allclose(
-        grad_logp(PRESETS["gspo"], logp, old, adv, mask, None, maybe_jit),
-        grad_logp(PRESETS["gspo_token"], logp, old, adv_BT, mask, None, maybe_jit),
-        rtol=1e-4,
-        atol=1e-7,
-    )
-
-
-@HYP
-@given(batch=batches(), name=st.sampled_from(["grpo", "dapo"]))
-def test_property_clipped_tokens_have_zero_gradient(maybe_jit, batch, name):
-    cfg = dataclasses.replace(PRESETS[name], kl_coef=0.0)
-    logp, old, adv, mask, _ = batch
-    g = np.asarray(grad_logp(cfg, logp, old, adv, mask, None, maybe_jit))
-    r = np.exp(np.clip(np.asarray(logp) - np.asarray(old), -20, 20))
-    a = np.asarray(adv)[:, None]
-    m = np.asarray(mask) > 0
-    clipped = m & (((a > 0) & (r > 1 + cfg.eps_high)) | ((a < 0) & (r < 1 - cfg.eps_low)))
-    free = m & ~clipped & (a != 0) & (np.abs(np.asarray(logp) - np.asarray(old)) < 20)
-    assert np.all(g[clipped] == 0)
-    assert np.all(g[free] != 0)
+    @chex.variants(with_jit=True, without_jit=True)
+    @HYP
+    @given(batch=batches(), name=st.sampled_from(["grpo", "dapo"]))
+    def test_property_clipped_tokens_have_zero_gradient(self, batch, name):
+        cfg = dataclasses.replace(PRESETS[name], kl_coef=0.0)
+        logp, old, adv, mask, _ = batch
+        g = np.asarray(grad_logp(cfg, logp, old, adv, mask, None, self.variant))
+        r = np.exp(np.clip(np.asarray(logp) - np.asarray(old), -20, 20))
+        a = np.asarray(adv)[:, None]
+        m = np.asarray(mask) > 0
+        clipped = m & (((a > 0) & (r > 1 + cfg.eps_high)) | ((a < 0) & (r < 1 - cfg.eps_low)))
+        free = m & ~clipped & (a != 0) & (np.abs(np.asarray(logp) - np.asarray(old)) < 20)
+        assert np.all(g[clipped] == 0)
+        assert np.all(g[free] != 0)

@@ -3,10 +3,12 @@
 import dataclasses
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl.testing import parameterized
 from flax import nnx
 
 from gspo_jax import model as model_lib
@@ -19,11 +21,17 @@ def build(cfg, seed=0):
     return nnx.split(model_lib.Transformer(cfg, rngs=nnx.Rngs(seed)))
 
 
-@pytest.fixture(scope="module")
-def tiny():
+@functools.cache
+def tiny_model():
+    """The tiny config, built once: (cfg, graphdef, state). Shared by the chex test classes and the fixture."""
     cfg = model_lib.get_config("tiny")
     graphdef, state = build(cfg)
     return cfg, graphdef, state
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    return tiny_model()
 
 
 def random_tokens(seed, shape=(B, T), vocab=128):
@@ -119,172 +127,184 @@ def test_qwen3_30b_a3b_param_count():
 # ------------------------------------------------------------------ forward basics
 
 
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_shapes_and_dtypes(maybe_jit, dtype):
-    cfg = model_lib.get_config("tiny", param_dtype=dtype, dtype=dtype)
-    graphdef, state = build(cfg)
-    assert all(x.dtype == jnp.dtype(dtype) for x in jax.tree.leaves(state))
-    fn = maybe_jit(fwd(graphdef, return_router_logits=True))
-    logits, aux = fn(state, random_tokens(0), arange_positions())
-    assert logits.shape == (B, T, cfg.vocab_size) and logits.dtype == jnp.float32
-    assert aux.topk.shape == (B, 2, T, cfg.top_k) and aux.topk.dtype == jnp.int32  # batch-first
-    assert aux.router_logits.shape == (B, 2, T, cfg.num_experts) and aux.router_logits.dtype == jnp.float32
-    assert aux.lb_loss.shape == () and aux.z_loss.shape == () and aux.cache is None
-    np.testing.assert_allclose(aux.aux_loss, cfg.lb_loss_coef * aux.lb_loss + cfg.z_loss_coef * aux.z_loss, rtol=1e-6)
-    assert np.isfinite(np.asarray(logits)).all()
-    assert ((aux.topk >= 0) & (aux.topk < cfg.num_experts)).all()
-    # Top-k indices are distinct per token.
-    assert (aux.topk[..., 0] != aux.topk[..., 1]).all()
+class TestForward(chex.TestCase):
+    """Each test runs twice: eagerly and under `jax.jit` (chex variants), here and in the classes below."""
 
-    logits, aux = fn(state, random_tokens(0), arange_positions())
-    assert aux.router_logits is not None
-    _, aux = maybe_jit(fwd(graphdef))(state, random_tokens(0), arange_positions())
-    assert aux.router_logits is None
-
-
-def test_dense_model_has_empty_topk(maybe_jit):
-    cfg = model_lib.ModelConfig(num_layers=2, num_experts=0, top_k=3)
-    graphdef, state = build(cfg)
-    logits, aux = maybe_jit(fwd(graphdef, return_router_logits=True))(state, random_tokens(1), arange_positions())
-    assert logits.shape == (B, T, cfg.vocab_size)
-    assert aux.topk.shape == (B, 0, T, 3) and aux.topk.dtype == jnp.int32
-    assert aux.router_logits.shape == (B, 0, T, 0)
-    assert float(aux.lb_loss) == 0.0 and float(aux.z_loss) == 0.0
-
-
-def test_tied_embeddings(maybe_jit):
-    cfg = model_lib.get_config("tiny", tie_embeddings=True)
-    graphdef, state = build(cfg)
-    assert "lm_head" not in state
-    logits, _ = maybe_jit(fwd(graphdef))(state, random_tokens(2), arange_positions())
-    assert logits.shape == (B, T, cfg.vocab_size) and np.isfinite(np.asarray(logits)).all()
-
-
-def test_causality(maybe_jit, tiny):
-    cfg, graphdef, state = tiny
-    fn = maybe_jit(fwd(graphdef))
-    tokens = random_tokens(3)
-    base, aux0 = fn(state, tokens, arange_positions())
-    for t in (3, T - 1):
-        changed = tokens.at[:, t].set((tokens[:, t] + 1) % cfg.vocab_size)
-        logits, aux = fn(state, changed, arange_positions())
-        np.testing.assert_allclose(logits[:, :t], base[:, :t], atol=1e-6, rtol=0)
-        np.testing.assert_array_equal(aux.topk[:, :, :t], aux0.topk[:, :, :t])
-        assert np.abs(np.asarray(logits[:, t:] - base[:, t:])).max() > 1e-4
-
-
-def test_left_padding_matches_unpadded(maybe_jit, tiny):
-    _, graphdef, state = tiny
-    fn = maybe_jit(fwd(graphdef))
-    n, pad = 5, T - 5
-    real = random_tokens(4, (1, n))
-    # Row 0: the n real tokens then more tokens (causality keeps its first n logits those of
-    # the unpadded sequence); row 1: the same n tokens left-padded by `pad` pad tokens.
-    tail = random_tokens(5, (1, pad))
-    for pad_token in (0, 77):
-        row1 = jnp.concatenate([jnp.full((1, pad), pad_token, jnp.int32), real], axis=1)
-        tokens = jnp.concatenate([jnp.concatenate([real, tail], axis=1), row1])
-        positions = model_lib.positions_from_mask(jnp.stack([jnp.ones(T, bool), jnp.arange(T) >= pad]))
-        np.testing.assert_array_equal(positions[1], [-1, -1, -1, 0, 1, 2, 3, 4])
-        logits, aux = fn(state, tokens, positions)
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(("float32", "float32"), ("bfloat16", "bfloat16"))
+    def test_shapes_and_dtypes(self, dtype):
+        cfg = model_lib.get_config("tiny", param_dtype=dtype, dtype=dtype)
+        graphdef, state = build(cfg)
+        assert all(x.dtype == jnp.dtype(dtype) for x in jax.tree.leaves(state))
+        fn = self.variant(fwd(graphdef, return_router_logits=True))
+        logits, aux = fn(state, random_tokens(0), arange_positions())
+        assert logits.shape == (B, T, cfg.vocab_size) and logits.dtype == jnp.float32
+        assert aux.topk.shape == (B, 2, T, cfg.top_k) and aux.topk.dtype == jnp.int32  # batch-first
+        assert aux.router_logits.shape == (B, 2, T, cfg.num_experts) and aux.router_logits.dtype == jnp.float32
+        assert aux.lb_loss.shape == () and aux.z_loss.shape == () and aux.cache is None
+        np.testing.assert_allclose(
+            aux.aux_loss, cfg.lb_loss_coef * aux.lb_loss + cfg.z_loss_coef * aux.z_loss, rtol=1e-6
+        )
         assert np.isfinite(np.asarray(logits)).all()
-        np.testing.assert_allclose(logits[1, pad:], logits[0, :n], atol=1e-5, rtol=1e-5)
-        np.testing.assert_array_equal(aux.topk[1, :, pad:], aux.topk[0, :, :n])
+        assert ((aux.topk >= 0) & (aux.topk < cfg.num_experts)).all()
+        # Top-k indices are distinct per token.
+        assert (aux.topk[..., 0] != aux.topk[..., 1]).all()
 
+        logits, aux = fn(state, random_tokens(0), arange_positions())
+        assert aux.router_logits is not None
+        _, aux = self.variant(fwd(graphdef))(state, random_tokens(0), arange_positions())
+        assert aux.router_logits is None
 
-def test_fully_padded_row_is_finite(maybe_jit, tiny):
-    _, graphdef, state = tiny
-    positions = jnp.stack([jnp.full((T,), -1, jnp.int32), jnp.arange(T, dtype=jnp.int32)])
-    logits, aux = maybe_jit(fwd(graphdef))(state, random_tokens(5), positions)
-    assert np.isfinite(np.asarray(logits)).all()
-    assert np.isfinite(float(aux.lb_loss)) and np.isfinite(float(aux.z_loss))
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_dense_model_has_empty_topk(self):
+        cfg = model_lib.ModelConfig(num_layers=2, num_experts=0, top_k=3)
+        graphdef, state = build(cfg)
+        logits, aux = self.variant(fwd(graphdef, return_router_logits=True))(
+            state, random_tokens(1), arange_positions()
+        )
+        assert logits.shape == (B, T, cfg.vocab_size)
+        assert aux.topk.shape == (B, 0, T, 3) and aux.topk.dtype == jnp.int32
+        assert aux.router_logits.shape == (B, 0, T, 0)
+        assert float(aux.lb_loss) == 0.0 and float(aux.z_loss) == 0.0
 
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_tied_embeddings(self):
+        cfg = model_lib.get_config("tiny", tie_embeddings=True)
+        graphdef, state = build(cfg)
+        assert "lm_head" not in state
+        logits, _ = self.variant(fwd(graphdef))(state, random_tokens(2), arange_positions())
+        assert logits.shape == (B, T, cfg.vocab_size) and np.isfinite(np.asarray(logits)).all()
 
-@pytest.mark.parametrize("dispatch", ["dense", "ragged"])
-def test_dropless_token_independent_of_other_rows(maybe_jit, tiny, dispatch):
-    cfg, _, state = tiny
-    graphdef, _ = build(dataclasses.replace(cfg, dispatch=dispatch))
-    fn = maybe_jit(fwd(graphdef))
-    tokens = random_tokens(6)
-    base, aux0 = fn(state, tokens, arange_positions())
-    other = tokens.at[1].set(random_tokens(7, (T,)))
-    logits, aux = fn(state, other, arange_positions())
-    np.testing.assert_allclose(logits[0], base[0], atol=1e-6, rtol=0)
-    np.testing.assert_array_equal(aux.topk[0], aux0.topk[0])
-    # The other row's padding also changes nothing.
-    logits, _ = fn(state, tokens, arange_positions().at[1, :4].set(-1))
-    np.testing.assert_allclose(logits[0], base[0], atol=1e-6, rtol=0)
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_causality(self):
+        cfg, graphdef, state = tiny_model()
+        fn = self.variant(fwd(graphdef))
+        tokens = random_tokens(3)
+        base, aux0 = fn(state, tokens, arange_positions())
+        for t in (3, T - 1):
+            changed = tokens.at[:, t].set((tokens[:, t] + 1) % cfg.vocab_size)
+            logits, aux = fn(state, changed, arange_positions())
+            np.testing.assert_allclose(logits[:, :t], base[:, :t], atol=1e-6, rtol=0)
+            np.testing.assert_array_equal(aux.topk[:, :, :t], aux0.topk[:, :, :t])
+            assert np.abs(np.asarray(logits[:, t:] - base[:, t:])).max() > 1e-4
 
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_left_padding_matches_unpadded(self):
+        _, graphdef, state = tiny_model()
+        fn = self.variant(fwd(graphdef))
+        n, pad = 5, T - 5
+        real = random_tokens(4, (1, n))
+        # Row 0: the n real tokens then more tokens (causality keeps its first n logits those of
+        # the unpadded sequence); row 1: the same n tokens left-padded by `pad` pad tokens.
+        tail = random_tokens(5, (1, pad))
+        for pad_token in (0, 77):
+            row1 = jnp.concatenate([jnp.full((1, pad), pad_token, jnp.int32), real], axis=1)
+            tokens = jnp.concatenate([jnp.concatenate([real, tail], axis=1), row1])
+            positions = model_lib.positions_from_mask(jnp.stack([jnp.ones(T, bool), jnp.arange(T) >= pad]))
+            np.testing.assert_array_equal(positions[1], [-1, -1, -1, 0, 1, 2, 3, 4])
+            logits, aux = fn(state, tokens, positions)
+            assert np.isfinite(np.asarray(logits)).all()
+            np.testing.assert_allclose(logits[1, pad:], logits[0, :n], atol=1e-5, rtol=1e-5)
+            np.testing.assert_array_equal(aux.topk[1, :, pad:], aux.topk[0, :, :n])
 
-def test_dense_and_ragged_dispatch_agree(maybe_jit, tiny):
-    cfg, graphdef_dense, state = tiny
-    graphdef_ragged, _ = build(dataclasses.replace(cfg, dispatch="ragged"))
-    tokens, positions = random_tokens(8), arange_positions().at[0, :2].set(-1)
-    w = jax.random.normal(jax.random.key(9), (B, T, cfg.vocab_size))
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_fully_padded_row_is_finite(self):
+        _, graphdef, state = tiny_model()
+        positions = jnp.stack([jnp.full((T,), -1, jnp.int32), jnp.arange(T, dtype=jnp.int32)])
+        logits, aux = self.variant(fwd(graphdef))(state, random_tokens(5), positions)
+        assert np.isfinite(np.asarray(logits)).all()
+        assert np.isfinite(float(aux.lb_loss)) and np.isfinite(float(aux.z_loss))
 
-    def loss(state, graphdef):
-        logits, aux = model_lib.apply(graphdef, state, tokens, positions)
-        return jnp.sum(logits * w) / logits.size + aux.aux_loss, (logits, aux)
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(("dense", "dense"), ("ragged", "ragged"))
+    def test_dropless_token_independent_of_other_rows(self, dispatch):
+        cfg, _, state = tiny_model()
+        graphdef, _ = build(dataclasses.replace(cfg, dispatch=dispatch))
+        fn = self.variant(fwd(graphdef))
+        tokens = random_tokens(6)
+        base, aux0 = fn(state, tokens, arange_positions())
+        other = tokens.at[1].set(random_tokens(7, (T,)))
+        logits, aux = fn(state, other, arange_positions())
+        np.testing.assert_allclose(logits[0], base[0], atol=1e-6, rtol=0)
+        np.testing.assert_array_equal(aux.topk[0], aux0.topk[0])
+        # The other row's padding also changes nothing.
+        logits, _ = fn(state, tokens, arange_positions().at[1, :4].set(-1))
+        np.testing.assert_allclose(logits[0], base[0], atol=1e-6, rtol=0)
 
-    outs = {}
-    for name, graphdef in (("dense", graphdef_dense), ("ragged", graphdef_ragged)):
-        fn = maybe_jit(jax.value_and_grad(functools.partial(loss, graphdef=graphdef), has_aux=True))
-        outs[name] = fn(state)
-    (l_d, (logits_d, aux_d)), g_d = outs["dense"]
-    (l_r, (logits_r, aux_r)), g_r = outs["ragged"]
-    np.testing.assert_allclose(logits_d, logits_r, atol=1e-5, rtol=1e-5)
-    np.testing.assert_array_equal(aux_d.topk, aux_r.topk)
-    np.testing.assert_allclose(l_d, l_r, atol=1e-6, rtol=1e-6)
-    for a, b in zip(jax.tree.leaves(g_d), jax.tree.leaves(g_r)):
-        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-5)
-    assert max(float(jnp.abs(x).max()) for x in router_params(g_d)) > 0
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_dense_and_ragged_dispatch_agree(self):
+        cfg, graphdef_dense, state = tiny_model()
+        graphdef_ragged, _ = build(dataclasses.replace(cfg, dispatch="ragged"))
+        tokens, positions = random_tokens(8), arange_positions().at[0, :2].set(-1)
+        w = jax.random.normal(jax.random.key(9), (B, T, cfg.vocab_size))
 
+        def loss(state, graphdef):
+            logits, aux = model_lib.apply(graphdef, state, tokens, positions)
+            return jnp.sum(logits * w) / logits.size + aux.aux_loss, (logits, aux)
 
-def test_bfloat16_dispatch_paths_close(maybe_jit):
-    cfg = model_lib.get_config("tiny", param_dtype="bfloat16", dtype="bfloat16")
-    graphdef_d, state = build(cfg)
-    graphdef_r, _ = build(dataclasses.replace(cfg, dispatch="ragged"))
-    tokens = random_tokens(10)
-    logits_d, _ = maybe_jit(fwd(graphdef_d))(state, tokens, arange_positions())
-    logits_r, _ = maybe_jit(fwd(graphdef_r))(state, tokens, arange_positions())
-    np.testing.assert_allclose(logits_d, logits_r, atol=0.1, rtol=0.05)
+        outs = {}
+        for name, graphdef in (("dense", graphdef_dense), ("ragged", graphdef_ragged)):
+            fn = self.variant(jax.value_and_grad(functools.partial(loss, graphdef=graphdef), has_aux=True))
+            outs[name] = fn(state)
+        (l_d, (logits_d, aux_d)), g_d = outs["dense"]
+        (l_r, (logits_r, aux_r)), g_r = outs["ragged"]
+        np.testing.assert_allclose(logits_d, logits_r, atol=1e-5, rtol=1e-5)
+        np.testing.assert_array_equal(aux_d.topk, aux_r.topk)
+        np.testing.assert_allclose(l_d, l_r, atol=1e-6, rtol=1e-6)
+        chex.assert_trees_all_close(g_d, g_r, atol=1e-5, rtol=1e-5)
+        assert max(float(jnp.abs(x).max()) for x in router_params(g_d)) > 0
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_bfloat16_dispatch_paths_close(self):
+        cfg = model_lib.get_config("tiny", param_dtype="bfloat16", dtype="bfloat16")
+        graphdef_d, state = build(cfg)
+        graphdef_r, _ = build(dataclasses.replace(cfg, dispatch="ragged"))
+        tokens = random_tokens(10)
+        logits_d, _ = self.variant(fwd(graphdef_d))(state, tokens, arange_positions())
+        logits_r, _ = self.variant(fwd(graphdef_r))(state, tokens, arange_positions())
+        np.testing.assert_allclose(logits_d, logits_r, atol=0.1, rtol=0.05)
 
 
 # ------------------------------------------------------------------ KV cache
 
 
-@pytest.mark.parametrize("dispatch", ["dense", "ragged"])
-def test_prefill_then_decode_matches_full_forward(maybe_jit, tiny, dispatch):
-    cfg, _, state = tiny
-    graphdef, _ = build(dataclasses.replace(cfg, dispatch=dispatch))
-    P, steps, S = 5, T - 5, 12
-    tokens = random_tokens(11, (B, P + steps))
-    # Row 1 is a left-padded prompt (2 pad tokens).
-    mask = jnp.ones((B, P + steps), bool).at[1, :2].set(False)
-    positions = model_lib.positions_from_mask(mask)
-    full, aux_full = model_lib.apply(graphdef, state, tokens, positions)
+class TestKVCache(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(("dense", "dense"), ("ragged", "ragged"))
+    def test_prefill_then_decode_matches_full_forward(self, dispatch):
+        cfg, _, state = tiny_model()
+        graphdef, _ = build(dataclasses.replace(cfg, dispatch=dispatch))
+        P, steps, S = 5, T - 5, 12
+        tokens = random_tokens(11, (B, P + steps))
+        # Row 1 is a left-padded prompt (2 pad tokens).
+        mask = jnp.ones((B, P + steps), bool).at[1, :2].set(False)
+        positions = model_lib.positions_from_mask(mask)
+        full, aux_full = model_lib.apply(graphdef, state, tokens, positions)
 
-    fn = maybe_jit(fwd(graphdef), donate_argnames=("cache",))
-    cache = model_lib.init_cache(cfg, B, S)
-    logits, aux = fn(state, tokens[:, :P], positions[:, :P], cache=cache)
-    # Padding tokens' own outputs are arbitrary (finite); compare real tokens only.
-    real = np.asarray(mask[:, :P])
-    np.testing.assert_allclose(logits[real], full[:, :P][real], atol=1e-5, rtol=1e-5)
-    np.testing.assert_array_equal(
-        aux.topk.transpose(0, 2, 1, 3)[real], aux_full.topk[:, :, :P].transpose(0, 2, 1, 3)[real]
-    )
-    assert np.isfinite(np.asarray(logits)).all()
-    cache = aux.cache
-    assert int(cache.index) == P
-    for t in range(P, P + steps):
-        logits, aux = fn(state, tokens[:, t : t + 1], positions[:, t : t + 1], cache=cache)
+        fn = self.variant(fwd(graphdef))
+        if self.variant.type == chex.ChexVariantType.WITH_JIT:
+            # chex's jit variant has no donate_argnames: jit once more, donating the cache as the sampler does.
+            fn = jax.jit(fn, donate_argnames=("cache",))
+        cache = model_lib.init_cache(cfg, B, S)
+        logits, aux = fn(state, tokens[:, :P], positions[:, :P], cache=cache)
+        # Padding tokens' own outputs are arbitrary (finite); compare real tokens only.
+        real = np.asarray(mask[:, :P])
+        np.testing.assert_allclose(logits[real], full[:, :P][real], atol=1e-5, rtol=1e-5)
+        np.testing.assert_array_equal(
+            aux.topk.transpose(0, 2, 1, 3)[real], aux_full.topk[:, :, :P].transpose(0, 2, 1, 3)[real]
+        )
+        assert np.isfinite(np.asarray(logits)).all()
         cache = aux.cache
-        np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5, rtol=1e-5)
-        np.testing.assert_array_equal(aux.topk[:, :, 0], aux_full.topk[:, :, t])
-    assert int(cache.index) == P + steps
-    np.testing.assert_array_equal(cache.positions[:, : P + steps], positions)
-    assert (cache.positions[:, P + steps :] == -1).all()
-    assert cache.k.shape == (cfg.num_layers, B, S, cfg.num_kv_heads, cfg.head_dim)
+        assert int(cache.index) == P
+        for t in range(P, P + steps):
+            logits, aux = fn(state, tokens[:, t : t + 1], positions[:, t : t + 1], cache=cache)
+            cache = aux.cache
+            np.testing.assert_allclose(logits[:, 0], full[:, t], atol=1e-5, rtol=1e-5)
+            np.testing.assert_array_equal(aux.topk[:, :, 0], aux_full.topk[:, :, t])
+        assert int(cache.index) == P + steps
+        np.testing.assert_array_equal(cache.positions[:, : P + steps], positions)
+        assert (cache.positions[:, P + steps :] == -1).all()
+        assert cache.k.shape == (cfg.num_layers, B, S, cfg.num_kv_heads, cfg.head_dim)
 
 
 def test_cache_pytree_roundtrip():
@@ -299,41 +319,43 @@ def test_cache_pytree_roundtrip():
 # ------------------------------------------------------------------ routing replay
 
 
-def test_replaying_own_routing_is_exact(maybe_jit, tiny):
-    _, graphdef, state = tiny
-    tokens, positions = random_tokens(12), arange_positions()
-    logits, aux = maybe_jit(fwd(graphdef))(state, tokens, positions)
-    replay = maybe_jit(fwd(graphdef))
-    logits_r, aux_r = replay(state, tokens, positions, forced_topk=aux.topk)
-    np.testing.assert_array_equal(aux_r.topk, aux.topk)
-    np.testing.assert_array_equal(logits_r, logits)
-    np.testing.assert_array_equal(aux_r.lb_loss, aux.lb_loss)
+class TestRoutingReplay(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_replaying_own_routing_is_exact(self):
+        _, graphdef, state = tiny_model()
+        tokens, positions = random_tokens(12), arange_positions()
+        logits, aux = self.variant(fwd(graphdef))(state, tokens, positions)
+        replay = self.variant(fwd(graphdef))
+        logits_r, aux_r = replay(state, tokens, positions, forced_topk=aux.topk)
+        np.testing.assert_array_equal(aux_r.topk, aux.topk)
+        np.testing.assert_array_equal(logits_r, logits)
+        np.testing.assert_array_equal(aux_r.lb_loss, aux.lb_loss)
 
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_replay_router_gets_gradient(self):
+        _, graphdef, state = tiny_model()
+        tokens, positions = random_tokens(13), arange_positions()
+        _, aux = model_lib.apply(graphdef, state, tokens, positions)
+        w = jax.random.normal(jax.random.key(14), (B, T, 128))
 
-def test_replay_router_gets_gradient(maybe_jit, tiny):
-    _, graphdef, state = tiny
-    tokens, positions = random_tokens(13), arange_positions()
-    _, aux = model_lib.apply(graphdef, state, tokens, positions)
-    w = jax.random.normal(jax.random.key(14), (B, T, 128))
+        def loss(state):
+            logits, _ = model_lib.apply(graphdef, state, tokens, positions, forced_topk=aux.topk)
+            return jnp.sum(jax.nn.log_softmax(logits) * w)
 
-    def loss(state):
-        logits, _ = model_lib.apply(graphdef, state, tokens, positions, forced_topk=aux.topk)
-        return jnp.sum(jax.nn.log_softmax(logits) * w)
+        grads = self.variant(jax.grad(loss))(state)
+        for g in router_params(grads):
+            assert float(jnp.abs(g).max()) > 1e-6
 
-    grads = maybe_jit(jax.grad(loss))(state)
-    for g in router_params(grads):
-        assert float(jnp.abs(g).max()) > 1e-6
-
-
-def test_forcing_other_experts_changes_output(maybe_jit, tiny):
-    cfg, graphdef, state = tiny
-    tokens, positions = random_tokens(15), arange_positions()
-    fn = maybe_jit(fwd(graphdef))
-    logits, aux = fn(state, tokens, positions)
-    forced = (aux.topk + 1) % cfg.num_experts
-    logits_f, aux_f = fn(state, tokens, positions, forced_topk=forced)
-    np.testing.assert_array_equal(aux_f.topk, forced)
-    assert float(jnp.abs(logits_f - logits).max()) > 1e-3
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_forcing_other_experts_changes_output(self):
+        cfg, graphdef, state = tiny_model()
+        tokens, positions = random_tokens(15), arange_positions()
+        fn = self.variant(fwd(graphdef))
+        logits, aux = fn(state, tokens, positions)
+        forced = (aux.topk + 1) % cfg.num_experts
+        logits_f, aux_f = fn(state, tokens, positions, forced_topk=forced)
+        np.testing.assert_array_equal(aux_f.topk, forced)
+        assert float(jnp.abs(logits_f - logits).max()) > 1e-3
 
 
 def test_forced_topk_shape_checked(tiny):
@@ -347,77 +369,80 @@ def test_forced_topk_shape_checked(tiny):
 # ------------------------------------------------------------------ MoE pieces
 
 
-def test_lb_loss_is_k_for_uniform_router(maybe_jit, tiny):
-    cfg, graphdef, state = tiny
-    state = set_routers(state, jnp.zeros_like)
-    _, aux = maybe_jit(fwd(graphdef))(state, random_tokens(16), arange_positions())
-    np.testing.assert_allclose(aux.lb_loss, cfg.top_k, rtol=1e-6)
-    np.testing.assert_allclose(aux.z_loss, np.log(cfg.num_experts) ** 2, rtol=1e-6)
-    # lax.top_k ties go to the lower index.
-    np.testing.assert_array_equal(aux.topk, np.broadcast_to(np.arange(cfg.top_k), aux.topk.shape))
+class TestMoEPieces(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_lb_loss_is_k_for_uniform_router(self):
+        cfg, graphdef, state = tiny_model()
+        state = set_routers(state, jnp.zeros_like)
+        _, aux = self.variant(fwd(graphdef))(state, random_tokens(16), arange_positions())
+        np.testing.assert_allclose(aux.lb_loss, cfg.top_k, rtol=1e-6)
+        np.testing.assert_allclose(aux.z_loss, np.log(cfg.num_experts) ** 2, rtol=1e-6)
+        # lax.top_k ties go to the lower index.
+        np.testing.assert_array_equal(aux.topk, np.broadcast_to(np.arange(cfg.top_k), aux.topk.shape))
 
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_route_renormalisation_and_replay_gates(self):
+        logits = jax.random.normal(jax.random.key(17), (2, 3, 6))
+        topk, gates, _ = self.variant(functools.partial(moe.route, top_k=2, renormalize=True))(logits)
+        np.testing.assert_allclose(gates.sum(-1), 1.0, rtol=1e-6)
+        np.testing.assert_allclose(gates, jax.nn.softmax(jnp.take_along_axis(logits, topk, -1)), rtol=1e-5)
+        _, raw, _ = moe.route(logits, 2, False)
+        np.testing.assert_allclose(raw, jnp.take_along_axis(jax.nn.softmax(logits), topk, -1), rtol=1e-6)
+        forced = jnp.zeros_like(topk).at[..., 1].set(5)
+        topk_f, gates_f, _ = moe.route(logits, 2, True, forced)
+        np.testing.assert_array_equal(topk_f, forced)
+        np.testing.assert_allclose(gates_f.sum(-1), 1.0, rtol=1e-6)
 
-def test_route_renormalisation_and_replay_gates(maybe_jit):
-    logits = jax.random.normal(jax.random.key(17), (2, 3, 6))
-    topk, gates, _ = maybe_jit(functools.partial(moe.route, top_k=2, renormalize=True))(logits)
-    np.testing.assert_allclose(gates.sum(-1), 1.0, rtol=1e-6)
-    np.testing.assert_allclose(gates, jax.nn.softmax(jnp.take_along_axis(logits, topk, -1)), rtol=1e-5)
-    _, raw, _ = moe.route(logits, 2, False)
-    np.testing.assert_allclose(raw, jnp.take_along_axis(jax.nn.softmax(logits), topk, -1), rtol=1e-6)
-    forced = jnp.zeros_like(topk).at[..., 1].set(5)
-    topk_f, gates_f, _ = moe.route(logits, 2, True, forced)
-    np.testing.assert_array_equal(topk_f, forced)
-    np.testing.assert_allclose(gates_f.sum(-1), 1.0, rtol=1e-6)
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_lb_loss_ignores_padding(self):
+        probs = jax.nn.softmax(jax.random.normal(jax.random.key(18), (1, 4, 4)))
+        topk = jnp.array([[[0, 1], [2, 3], [0, 1], [0, 0]]])
+        valid = jnp.array([[True, True, True, False]])
+        lb = self.variant(moe.load_balancing_loss)(probs, topk, valid)
+        f = np.array([2, 2, 1, 1]) / 3
+        p = np.asarray(probs[0, :3]).mean(0)
+        np.testing.assert_allclose(lb, 4 * np.sum(f * p), rtol=1e-6)
 
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_rope_depends_on_relative_position(self):
+        q = jax.random.normal(jax.random.key(19), (1, 1, 1, 16))
+        k = jax.random.normal(jax.random.key(20), (1, 1, 1, 16))
+        rope = self.variant(functools.partial(model_lib.apply_rope, theta=10_000.0))
 
-def test_lb_loss_ignores_padding(maybe_jit):
-    probs = jax.nn.softmax(jax.random.normal(jax.random.key(18), (1, 4, 4)))
-    topk = jnp.array([[[0, 1], [2, 3], [0, 1], [0, 0]]])
-    valid = jnp.array([[True, True, True, False]])
-    lb = maybe_jit(moe.load_balancing_loss)(probs, topk, valid)
-    f = np.array([2, 2, 1, 1]) / 3
-    p = np.asarray(probs[0, :3]).mean(0)
-    np.testing.assert_allclose(lb, 4 * np.sum(f * p), rtol=1e-6)
+        def score(m, n):
+            return float(jnp.sum(rope(q, jnp.array([[m]])) * rope(k, jnp.array([[n]]))))
 
-
-def test_rope_depends_on_relative_position(maybe_jit):
-    q = jax.random.normal(jax.random.key(19), (1, 1, 1, 16))
-    k = jax.random.normal(jax.random.key(20), (1, 1, 1, 16))
-    rope = maybe_jit(functools.partial(model_lib.apply_rope, theta=10_000.0))
-
-    def score(m, n):
-        return float(jnp.sum(rope(q, jnp.array([[m]])) * rope(k, jnp.array([[n]]))))
-
-    np.testing.assert_allclose(score(7, 3), score(14, 10), rtol=1e-5)
-    np.testing.assert_allclose(rope(q, jnp.array([[0]])), q)
-    np.testing.assert_allclose(rope(q, jnp.array([[-1]])), q)  # padding rotates as position 0
-    np.testing.assert_allclose(jnp.linalg.norm(rope(q, jnp.array([[5]]))), jnp.linalg.norm(q), rtol=1e-6)
+        np.testing.assert_allclose(score(7, 3), score(14, 10), rtol=1e-5)
+        np.testing.assert_allclose(rope(q, jnp.array([[0]])), q)
+        np.testing.assert_allclose(rope(q, jnp.array([[-1]])), q)  # padding rotates as position 0
+        np.testing.assert_allclose(jnp.linalg.norm(rope(q, jnp.array([[5]]))), jnp.linalg.norm(q), rtol=1e-6)
 
 
 # ------------------------------------------------------------------ sharding, compilation
 
 
-@pytest.mark.parametrize(
-    "axes, dispatch",
-    [(dict(data=2, expert=2, tensor=2), "dense"), (dict(fsdp=2, expert=2, tensor=2), "ragged")],
-    ids=["dp-ep-tp-dense", "fsdp-ep-tp-ragged"],
-)
-def test_sharded_forward_matches_single_device(maybe_jit, tiny, axes, dispatch):
-    cfg, _, state = tiny
-    graphdef, _ = build(dataclasses.replace(cfg, dispatch=dispatch))
-    tokens, positions = random_tokens(21), arange_positions()
-    expected, aux_e = model_lib.apply(graphdef, state, tokens, positions)
+class TestSharding(chex.TestCase):
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(
+        ("dp_ep_tp_dense", dict(data=2, expert=2, tensor=2), "dense"),
+        ("fsdp_ep_tp_ragged", dict(fsdp=2, expert=2, tensor=2), "ragged"),
+    )
+    def test_sharded_forward_matches_single_device(self, axes, dispatch):
+        cfg, _, state = tiny_model()
+        graphdef, _ = build(dataclasses.replace(cfg, dispatch=dispatch))
+        tokens, positions = random_tokens(21), arange_positions()
+        expected, aux_e = model_lib.apply(graphdef, state, tokens, positions)
 
-    mesh = sharding.make_mesh(**axes)
-    shardings = sharding.param_shardings(mesh, state)
-    sharded_state = jax.device_put(state, shardings)
-    w = sharded_state["layers"][1]["mlp"]["gate_proj"][...]
-    assert w.sharding.spec[0] == "expert" and len(w.sharding.device_set) == 8
-    batch = sharding.batch_sharding(mesh, 2)
-    tokens_s, positions_s = jax.device_put(tokens, batch), jax.device_put(positions, batch)
-    logits, aux = maybe_jit(fwd(graphdef))(sharded_state, tokens_s, positions_s)
-    np.testing.assert_allclose(logits, expected, atol=1e-5, rtol=1e-5)
-    np.testing.assert_array_equal(aux.topk, aux_e.topk)
+        mesh = sharding.make_mesh(**axes)
+        shardings = sharding.param_shardings(mesh, state)
+        sharded_state = jax.device_put(state, shardings)
+        w = sharded_state["layers"][1]["mlp"]["gate_proj"][...]
+        assert w.sharding.spec[0] == "expert" and len(w.sharding.device_set) == 8
+        batch = sharding.batch_sharding(mesh, 2)
+        tokens_s, positions_s = jax.device_put(tokens, batch), jax.device_put(positions, batch)
+        logits, aux = self.variant(fwd(graphdef))(sharded_state, tokens_s, positions_s)
+        np.testing.assert_allclose(logits, expected, atol=1e-5, rtol=1e-5)
+        np.testing.assert_array_equal(aux.topk, aux_e.topk)
 
 
 def test_jit_compiles_once(tiny, compile_counter):

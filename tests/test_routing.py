@@ -1,5 +1,6 @@
 """Drift metrics against hand-counted routings."""
 
+import chex
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -7,50 +8,58 @@ import pytest
 from gspo_jax.routing import log_ratio_decomposition, overlap, routing_drift
 
 
-def test_hand_counted_drift(maybe_jit):
-    # 2 layers, 1 sequence of 3 tokens (the last is padding), top-2 of 4 experts
-    # written layer by layer, then made batch-first [B, L, T, K]
-    old = np.array([[[[0, 1], [2, 3], [0, 2]]], [[[1, 3], [0, 1], [3, 2]]]], np.int32).transpose(1, 0, 2, 3)
-    new = np.array([[[[1, 0], [2, 0], [1, 3]]], [[[1, 3], [3, 2], [0, 1]]]], np.int32).transpose(1, 0, 2, 3)
-    valid = np.array([[True, True, False]])
-    m = maybe_jit(routing_drift)(jnp.asarray(old), jnp.asarray(new), jnp.asarray(valid))
-    # overlaps on valid tokens: layer 0: 2 (same set, other order), 1; layer 1: 2, 0
-    assert float(m["slot_change_rate"]) == pytest.approx(1 - (2 + 1 + 2 + 0) / (2 * 2 * 2))
-    assert float(m["router_flip_rate"]) == pytest.approx(2 / 4)
-    np.testing.assert_allclose(m["flip_rate_per_layer"], [0.5, 0.5])
-    assert float(m["token_any_flip"]) == pytest.approx(1 / 2)  # token 0 never flips, token 1 flips in both
-    assert float(m["flips_per_token"]) == pytest.approx(1.0)
-    assert float(m["jaccard"]) == pytest.approx((1 + 1 / 3 + 1 + 0) / 4)
+class TestRoutingDrift(chex.TestCase):
+    """Each test runs twice: with `routing_drift` as is and under `jax.jit` (chex variants)."""
 
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_hand_counted_drift(self):
+        # 2 layers, 1 sequence of 3 tokens (the last is padding), top-2 of 4 experts
+        # written layer by layer, then made batch-first [B, L, T, K]
+        old = np.array([[[[0, 1], [2, 3], [0, 2]]], [[[1, 3], [0, 1], [3, 2]]]], np.int32).transpose(1, 0, 2, 3)
+        new = np.array([[[[1, 0], [2, 0], [1, 3]]], [[[1, 3], [3, 2], [0, 1]]]], np.int32).transpose(1, 0, 2, 3)
+        valid = np.array([[True, True, False]])
+        m = self.variant(routing_drift)(jnp.asarray(old), jnp.asarray(new), jnp.asarray(valid))
+        # overlaps on valid tokens: layer 0: 2 (same set, other order), 1; layer 1: 2, 0
+        assert float(m["slot_change_rate"]) == pytest.approx(1 - (2 + 1 + 2 + 0) / (2 * 2 * 2))
+        assert float(m["router_flip_rate"]) == pytest.approx(2 / 4)
+        np.testing.assert_allclose(m["flip_rate_per_layer"], [0.5, 0.5])
+        assert float(m["token_any_flip"]) == pytest.approx(1 / 2)  # token 0 never flips, token 1 flips in both
+        assert float(m["flips_per_token"]) == pytest.approx(1.0)
+        assert float(m["jaccard"]) == pytest.approx((1 + 1 / 3 + 1 + 0) / 4)
 
-def test_identical_routings_have_no_drift(maybe_jit):
-    rng = np.random.default_rng(0)
-    topk = jnp.asarray(np.stack([rng.permutation(8)[:2] for _ in range(3 * 4 * 5)]).reshape(4, 3, 5, 2))
-    logits = jnp.asarray(rng.normal(size=(4, 3, 5, 8)), jnp.float32)
-    m = maybe_jit(routing_drift)(topk, topk, jnp.ones((4, 5), bool), logits, logits)
-    assert float(m["slot_change_rate"]) == 0 and float(m["router_flip_rate"]) == 0
-    assert float(m["jaccard"]) == 1 and abs(float(m["router_kl"])) < 1e-6 and float(m["router_tv"]) == 0
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_identical_routings_have_no_drift(self):
+        rng = np.random.default_rng(0)
+        topk = jnp.asarray(np.stack([rng.permutation(8)[:2] for _ in range(3 * 4 * 5)]).reshape(4, 3, 5, 2))
+        logits = jnp.asarray(rng.normal(size=(4, 3, 5, 8)), jnp.float32)
+        m = self.variant(routing_drift)(topk, topk, jnp.ones((4, 5), bool), logits, logits)
+        assert float(m["slot_change_rate"]) == 0 and float(m["router_flip_rate"]) == 0
+        assert float(m["jaccard"]) == 1 and abs(float(m["router_kl"])) < 1e-6 and float(m["router_tv"]) == 0
 
-
-def test_router_kl_and_tv_match_numpy(maybe_jit):
-    rng = np.random.default_rng(1)
-    a, b = rng.normal(size=(1, 2, 3, 4)), rng.normal(size=(1, 2, 3, 4))
-    topk = jnp.zeros((1, 2, 3, 1), jnp.int32)
-    m = maybe_jit(routing_drift)(topk, topk, jnp.ones((1, 3), bool), jnp.asarray(a), jnp.asarray(b))
-    pa, pb = np.exp(a) / np.exp(a).sum(-1, keepdims=True), np.exp(b) / np.exp(b).sum(-1, keepdims=True)
-    assert float(m["router_kl"]) == pytest.approx(np.mean(np.sum(pa * np.log(pa / pb), -1)), rel=1e-5)
-    assert float(m["router_tv"]) == pytest.approx(np.mean(0.5 * np.abs(pa - pb).sum(-1)), rel=1e-5)
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_router_kl_and_tv_match_numpy(self):
+        rng = np.random.default_rng(1)
+        a, b = rng.normal(size=(1, 2, 3, 4)), rng.normal(size=(1, 2, 3, 4))
+        topk = jnp.zeros((1, 2, 3, 1), jnp.int32)
+        m = self.variant(routing_drift)(topk, topk, jnp.ones((1, 3), bool), jnp.asarray(a), jnp.asarray(b))
+        pa, pb = np.exp(a) / np.exp(a).sum(-1, keepdims=True), np.exp(b) / np.exp(b).sum(-1, keepdims=True)
+        assert float(m["router_kl"]) == pytest.approx(np.mean(np.sum(pa * np.log(pa / pb), -1)), rel=1e-5)
+        assert float(m["router_tv"]) == pytest.approx(np.mean(0.5 * np.abs(pa - pb).sum(-1)), rel=1e-5)
 
 
 def test_overlap_ignores_order():
     assert int(overlap(jnp.array([3, 1, 2]), jnp.array([2, 3, 0]))) == 2
 
 
-def test_log_ratio_decomposition_parts_add_up(maybe_jit):
-    own = jnp.array([[0.0, -1.0, -2.0]])
-    rep = jnp.array([[0.0, -1.5, -2.0]])
-    old = jnp.array([[0.1, -1.5, -1.0]])
-    m = maybe_jit(log_ratio_decomposition)(own, rep, old, jnp.array([[1, 1, 0]]))
-    assert float(m["logratio_routing_abs"]) == pytest.approx(0.25)
-    assert float(m["logratio_rest_abs"]) == pytest.approx(0.05)
-    assert float(m["logratio_routing_share"]) == pytest.approx(0.25 / ((0.01 + 0.25) / 2) / 2)
+class TestLogRatioDecomposition(chex.TestCase):
+    """Runs with `log_ratio_decomposition` as is and under `jax.jit` (chex variants)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_log_ratio_decomposition_parts_add_up(self):
+        own = jnp.array([[0.0, -1.0, -2.0]])
+        rep = jnp.array([[0.0, -1.5, -2.0]])
+        old = jnp.array([[0.1, -1.5, -1.0]])
+        m = self.variant(log_ratio_decomposition)(own, rep, old, jnp.array([[1, 1, 0]]))
+        assert float(m["logratio_routing_abs"]) == pytest.approx(0.25)
+        assert float(m["logratio_rest_abs"]) == pytest.approx(0.05)
+        assert float(m["logratio_routing_share"]) == pytest.approx(0.25 / ((0.01 + 0.25) / 2) / 2)

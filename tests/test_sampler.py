@@ -3,10 +3,12 @@ top-k / top-p support, compile counts and sharding."""
 
 import functools
 
+import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from absl.testing import parameterized
 from flax import nnx
 
 from gspo_jax import model as model_lib
@@ -135,32 +137,37 @@ def test_sharded_sampler_equals_unsharded(setup):
 LOGITS = jnp.asarray([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
 
 
-def draw(maybe_jit, n, **kw):
-    fn = maybe_jit(functools.partial(sample_logits, max_top_k=8))
+def draw(variant, n, **kw):
+    fn = variant(functools.partial(sample_logits, max_top_k=8))
     tok, logp = fn(jnp.broadcast_to(LOGITS, (n, 8)), jax.random.key(11), **kw)
     return np.bincount(np.asarray(tok), minlength=8) / n, np.asarray(tok), np.asarray(logp)
 
 
-@pytest.mark.parametrize(
-    "temperature, top_k, top_p", [(1.0, 0, 1.0), (0.5, 0, 1.0), (2.0, 3, 1.0), (1.0, 0, 0.7), (1.0, 4, 0.8)]
-)
-def test_sampling_distribution_and_support(maybe_jit, temperature, top_k, top_p):
-    n = 40000
-    freq, tok, logp = draw(
-        maybe_jit, n, temperature=jnp.float32(temperature), top_k=jnp.int32(top_k), top_p=jnp.float32(top_p)
+class TestSampleLogits(chex.TestCase):
+    """Runs with `sample_logits` as is and under `jax.jit` (chex variants)."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(
+        (f"t{temperature}_k{top_k}_p{top_p}", temperature, top_k, top_p)
+        for temperature, top_k, top_p in [(1.0, 0, 1.0), (0.5, 0, 1.0), (2.0, 3, 1.0), (1.0, 0, 0.7), (1.0, 4, 0.8)]
     )
-    probs = np.asarray(jax.nn.softmax(LOGITS / temperature))
-    keep = np.ones(8, bool)
-    if top_k > 0:
-        keep[top_k:] = False
-    p = np.where(keep, probs, 0) / np.where(keep, probs, 0).sum()
-    before = np.cumsum(p) - p
-    keep &= before < top_p
-    expected = np.where(keep, p, 0) / np.where(keep, p, 0).sum()
-    assert np.all(freq[~keep] == 0)  # the support is exactly right
-    np.testing.assert_allclose(freq, expected, atol=4 * np.sqrt(0.25 / n))
-    # returned log-probs are the untruncated ones at the sampling temperature
-    np.testing.assert_allclose(logp, np.log(probs[tok]), rtol=1e-5)
+    def test_sampling_distribution_and_support(self, temperature, top_k, top_p):
+        n = 40000
+        freq, tok, logp = draw(
+            self.variant, n, temperature=jnp.float32(temperature), top_k=jnp.int32(top_k), top_p=jnp.float32(top_p)
+        )
+        probs = np.asarray(jax.nn.softmax(LOGITS / temperature))
+        keep = np.ones(8, bool)
+        if top_k > 0:
+            keep[top_k:] = False
+        p = np.where(keep, probs, 0) / np.where(keep, probs, 0).sum()
+        before = np.cumsum(p) - p
+        keep &= before < top_p
+        expected = np.where(keep, p, 0) / np.where(keep, p, 0).sum()
+        assert np.all(freq[~keep] == 0)  # the support is exactly right
+        np.testing.assert_allclose(freq, expected, atol=4 * np.sqrt(0.25 / n))
+        # returned log-probs are the untruncated ones at the sampling temperature
+        np.testing.assert_allclose(logp, np.log(probs[tok]), rtol=1e-5)
 
 
 def test_output_does_not_depend_on_the_previous_call(setup):
@@ -170,5 +177,4 @@ def test_output_does_not_depend_on_the_previous_call(setup):
     other = np.asarray(np.random.default_rng(9).integers(4, cfg.vocab_size, tokens.shape), np.int32)
     sampler(state, other, np.ones_like(mask), jax.random.key(8), temperature=1.0)
     b = sampler(state, tokens, mask, jax.random.key(4), temperature=1.0)
-    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
-        np.testing.assert_array_equal(x, y)
+    chex.assert_trees_all_equal(a, b)
