@@ -111,7 +111,8 @@ def test_max_to_keep(tmp_path):
             ckpt.save(step, state, {"s": step})
         ckpt.wait()
         assert ckpt.all_steps() == [3, 4]
-    assert sorted(os.listdir(tmp_path)) == ["3", "4"]
+    assert sorted(os.listdir(tmp_path)) == ["3", "4", "checksums"]
+    assert sorted(os.listdir(tmp_path / "checksums")) == ["3.json", "4.json"]  # records of deleted steps go too
 
 
 def test_save_every_and_force(tmp_path):

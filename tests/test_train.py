@@ -163,6 +163,7 @@ def _sigterm_after(monkeypatch, iteration):
 @pytest.mark.slow
 def test_tiny_end_to_end_compiles_once_checkpoints_and_resumes_bitwise(tmp_path, compile_counter, monkeypatch):
     c = tiny("grpo")  # KL to the reference: exercises the ref model path too
+    jax.clear_caches()  # as in a fresh process: earlier tests compiled the same functions
     train.train_and_evaluate(c, tmp_path / "full", progress=False)
 
     with monkeypatch.context() as m, pytest.raises(train.StoppedEarly):
