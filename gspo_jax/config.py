@@ -49,6 +49,12 @@ def _dataclass_dict(dc) -> dict[str, Any]:
     return {f.name: getattr(dc, f.name) for f in dataclasses.fields(dc)}
 
 
+def _optimizer_keys(**values) -> dict[str, Any]:
+    """Every `OptimizerConfig` key (AdamW, warmup then cosine decay), its defaults where not given."""
+    opt = OptimizerConfig(**values)
+    return {f.name: getattr(opt, f.name) for f in dataclasses.fields(opt) if f.compare}
+
+
 def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigDict:
     """The full config of `algorithm` (an `algorithms.ALGORITHMS` name) at `size`."""
     alg = algorithms.get(algorithm)
@@ -76,14 +82,7 @@ def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigD
             epochs=1,
             minibatches=2,
             microbatches=1,
-            # optimizer (`gspo_jax.optimizer.OptimizerConfig`): AdamW, warmup then cosine decay
-            learning_rate=1e-4,
-            warmup_steps=5,
-            end_lr_factor=0.1,
-            weight_decay=0.0,
-            max_grad_norm=1.0,
-            b1=0.9,
-            b2=0.99,
+            **_optimizer_keys(learning_rate=1e-4, warmup_steps=5, max_grad_norm=1.0, b2=0.99),
             old_logp_source="trainer",
             routing_replay="none",
             drift_metrics=True,
@@ -97,14 +96,7 @@ def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigD
         dict(
             steps=160,
             batch_size=64,
-            # optimizer: AdamW (optax's defaults), no clipping
-            learning_rate=3e-3,
-            warmup_steps=16,
-            end_lr_factor=0.1,
-            weight_decay=1e-4,
-            max_grad_norm=0.0,
-            b1=0.9,
-            b2=0.999,
+            **_optimizer_keys(learning_rate=3e-3, warmup_steps=16, weight_decay=1e-4),  # optax's AdamW, no clipping
             cache_dir="",  # "" = the workdir
         )
     )
@@ -195,6 +187,10 @@ def build(c: ml_collections.ConfigDict) -> Built:
         t.minibatches,
         f"num_groups×group_size={batch} must be divisible by minibatches×microbatches",
     )
+    if w.cache_dir:  # created on first use: it, or its parent, must be a directory already
+        d = Path(w.cache_dir)
+        ok = d.is_dir() or (not d.exists() and d.parent.is_dir())
+        check(ok, "config", "warm_start.cache_dir", w.cache_dir, "a directory, or a new one in an existing directory")
     check_int("config", "warm_start.steps", w.steps, low=0)
     check_int("config", "warm_start.batch_size", w.batch_size)
     OptimizerConfig.from_config(w, "config.warm_start")

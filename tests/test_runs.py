@@ -67,6 +67,8 @@ def rows(path: Path) -> list[int]:
         ("prompt_len", 8, "prompt_len"),  # the task's prompts need 16 tokens
         ("tokenizer_path", "/no/such/tokenizer", "tokenizer_path"),
         ("hf_checkpoint", "/no/such/checkpoint", "hf_checkpoint"),
+        ("warm_start.cache_dir", "/no/such/parent/cache", "cache_dir"),
+        ("task.digits", 0, "digits"),
     ],
 )
 def test_values_that_cannot_work_are_refused_at_build_naming_the_key(key, value, field):
@@ -314,3 +316,20 @@ def test_cli_exit_codes_stopped_then_finished(tmp_path):
     assert r.returncode == 0, r.stderr
     assert rows(tmp_path) == [0, 1, 2, 3]
     assert list(tmp_path.glob("plots/*.png")) or list(tmp_path.glob("*.png"))
+
+
+@pytest.mark.slow
+def test_a_run_whose_updates_overflow_warns_once_per_iteration_and_saves_only_finite_state(tmp_path, caplog):
+    c = base_config("gspo", "tiny")
+    c.train.update(learning_rate=3e38, weight_decay=1.0, warmup_steps=0, num_iterations=2)
+    with caplog.at_level("WARNING", logger="gspo_jax.train"):
+        metrics = train.train_and_evaluate(c, tmp_path, progress=False)
+    warnings = [r.getMessage() for r in caplog.records if "updates skipped" in r.getMessage()]
+    assert len(warnings) == 2 and metrics["skipped"] >= 1  # iterations 0 and 1 each skipped some
+    s = build(c)
+    mesh = train.sharding_lib.mesh_from_config(**c.mesh)
+    graphdef, params = train.init_policy(c, s.model, mesh)
+    programs = train.compile_programs(c, s, graphdef, params, mesh)
+    with Checkpointer(tmp_path / "checkpoints") as ckpt:
+        _, state, _ = ckpt.restore_latest(train.abstract_train_state(programs, params))
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))
