@@ -232,6 +232,7 @@ def rl_iteration(
     batch, metrics = rollout(state.params, prompts, jax.random.fold_in(key, 0))
     t_rollout = time.perf_counter() - t0
     full = prepare_batch(programs, state.params, batch, t.old_logp_source, t.routing_replay, ref_params, metrics)
+    t_logprobs = time.perf_counter() - t0 - t_rollout  # synchronised: old_logp_max_diff is on the host
 
     B, num_mb = batch.tokens.shape[0], t.minibatches
     mb_size = B // num_mb
@@ -245,6 +246,7 @@ def rl_iteration(
             step_metrics = jax.tree.map(float, jax.device_get(step_metrics))  # host float64 from here
             acc = step_metrics if acc is None else metrics_lib.merge(acc, step_metrics)
     metrics.update(metrics_lib.compute(acc))
+    t_updates = time.perf_counter() - t0 - t_rollout - t_logprobs  # synchronised: metrics are on the host
     if metrics["skipped"]:
         log.warning(
             "iteration %d: %d of %d updates skipped (non-finite loss, gradient or update)",
@@ -252,9 +254,16 @@ def rl_iteration(
             metrics["skipped"],
             t.epochs * num_mb,
         )
+    t_drift = time.perf_counter()
     if t.drift_metrics:
         metrics.update(drift_to_log(programs.drift(state.params, full)))
-    metrics.update(rollout_seconds=t_rollout, iteration_seconds=time.perf_counter() - t0)
+    metrics.update(
+        rollout_seconds=t_rollout,
+        logprob_seconds=t_logprobs,
+        update_seconds=t_updates,
+        drift_seconds=time.perf_counter() - t_drift,
+        iteration_seconds=time.perf_counter() - t0,
+    )
     return state, metrics
 
 
@@ -357,10 +366,11 @@ def _run(config, built: config_lib.Built, workdir: Path, *, progress: bool) -> d
         for it in range(start, t.num_iterations):
             compiles = CompileCounter()  # logged as xla_compiles: 0 after the first iteration
             state, metrics = rl_iteration(programs, rollout, config, state, prompts, it, ref_params)
+            t0 = time.perf_counter()
             if (it + 1) % t.eval_every == 0 or it + 1 == t.num_iterations:
-                metrics.update(evaluation(state.params))
+                metrics.update(evaluation(state.params), eval_seconds=time.perf_counter() - t0)
             metrics["xla_compiles"] = float(compiles.count)
-            writer.write(it + 1, metrics)
+            writer.write(it + 1, metrics)  # before the save: a step is never checkpointed without its row
             last = metrics
             meta = dict(iteration=it, prompts=prompts.state())
             ckpt.save(it + 1, state, meta, force=guard.requested or it + 1 == t.num_iterations)

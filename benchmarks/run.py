@@ -1,0 +1,358 @@
+"""How close gspo_jax is to this machine's limit: every figure a ratio measured in this one process.
+
+    python -m benchmarks.run                      # everything; writes benchmarks/results.json
+    python -m benchmarks.run --only iteration     # one section (repeatable)
+    python -m benchmarks.run --size tiny --out /tmp/r.json   # seconds: the CI smoke test
+
+Sections:
+  peak       best float32 matmul FLOP/s over several square shapes (the denominator of every MFU)
+  train      train-step MFU: analytic useful FLOPs / measured time / peak, on the default config
+             and on `bench` (width 512, 8 layers, 16 experts top-2)
+  loss       forward + backward of `policy_loss` alone, as a share of the train step, per objective
+  moe        MoE dispatch paths (dense, ragged) against each other, forward + backward
+  sampler    generated tokens/s, against the naive decoder, decode MFU, and against batch size
+  iteration  one RL iteration of the `iteration` shape, split (rollout, log-probs, updates, drift,
+             evaluation, checkpoint + logging); and the compiles after warm-up and the time to the
+             first finished iteration
+
+Useful FLOPs are analytic, never XLA's cost analysis (it counts a loop body once): a matmul of
+[m, k] × [k, n] is 2·m·k·n; a train step is 6 × (active matmul parameters) × tokens plus attention,
+12 × layers × B × T² × H × W (QKᵀ and PV, forward and backward); decoding a token is
+2 × active matmul parameters per sequence (attention over the cache left out: small at these lengths).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import platform
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from gspo_jax import losses, moe, train
+from gspo_jax import model as model_lib
+from gspo_jax.algorithms import ALGORITHMS
+from gspo_jax.config import base_config, build
+from gspo_jax.sampler import Sampler, left_pad, sample_logits
+from gspo_jax.sharding import mesh_from_config
+
+SECTIONS = ("peak", "train", "loss", "moe", "sampler", "iteration")
+RESULTS = Path(__file__).with_name("results.json")
+
+
+def best_time(fn, repeats: int) -> float:
+    """Best wall time of `fn()` (results ready) over `repeats` runs, after one warm-up call."""
+    jax.block_until_ready(fn())
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def matmul_params(cfg: model_lib.ModelConfig) -> int:
+    """Active parameters that take part in a matmul per token (embedding lookups excluded)."""
+    _, active = model_lib.count_params(cfg)
+    return active - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.embed_dim)
+
+
+def train_flops(cfg: model_lib.ModelConfig, B: int, T: int) -> float:
+    attention = 12 * cfg.num_layers * B * T * T * cfg.num_heads * cfg.head_dim
+    return 6 * matmul_params(cfg) * B * T + attention
+
+
+# ---------------------------------------------------------------------------------------------- peak
+
+
+def peak(size: str, repeats: int) -> dict:
+    shapes = (128, 256) if size == "tiny" else (256, 512, 1024, 2048)
+    out = {}
+    for n in shapes:
+        a = jax.random.normal(jax.random.key(0), (n, n), jnp.float32)
+        f = jax.jit(lambda x: x @ x)
+        out[n] = 2 * n**3 / best_time(lambda f=f, a=a: f(a), repeats)
+    return {"flops_per_s": max(out.values()), "by_shape": {str(k): v for k, v in out.items()}}
+
+
+# ---------------------------------------------------------------------------------------------- train
+
+
+def bench_config(size: str, algorithm: str = "gspo"):
+    """`default` as configured, `bench` wide enough for matmuls to dominate, `tiny` for the smoke test."""
+    c = base_config(algorithm, "tiny" if size == "tiny" else "default")
+    if size == "bench":
+        c.model.update(embed_dim=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64, mlp_dim=1024)
+        c.model.update(num_experts=16, top_k=2, moe_mlp_dim=512)
+    c.warm_start.steps = 0
+    return c
+
+
+def _pieces(c):
+    built = build(c)
+    mesh = mesh_from_config(**c.mesh)
+    graphdef, params = train.init_policy(c, built.model, mesh)
+    programs = train.compile_programs(c, built, graphdef, params, mesh)
+    return built, graphdef, params, programs
+
+
+def random_batch(programs, params, B: int, P: int, C: int, seed: int = 0) -> train.TrainBatch:
+    """A well-formed minibatch: random prompts and completions of random lengths."""
+    rng = np.random.default_rng(seed)
+    T = P + C
+    tokens = rng.integers(4, 100, (B, T)).astype(np.int32)
+    pmask, cmask = np.zeros((B, T), bool), np.zeros((B, T), bool)
+    for i in range(B):
+        pmask[i, P - rng.integers(1, P) : P] = True
+        cmask[i, P : P + rng.integers(1, C + 1)] = True
+    positions = model_lib.positions_from_mask(jnp.asarray(pmask | cmask))
+    logp, topk = programs.score(params, jnp.asarray(tokens), positions)
+    return train.TrainBatch(
+        tokens=jnp.asarray(tokens),
+        positions=positions,
+        completion_mask=jnp.asarray(cmask),
+        loss_mask=jnp.asarray(cmask, jnp.float32),
+        old_logp=logp,
+        ref_logp=logp,
+        advantages=jnp.asarray(rng.normal(size=B), jnp.float32),
+        topk=topk,
+    )
+
+
+def train_step_time(c, repeats: int) -> tuple[float, int, int, model_lib.ModelConfig]:
+    built, _, params, programs = _pieces(c)
+    B = built.rollout.num_groups * built.rollout.group_size // c.train.minibatches
+    batch = jax.device_put(random_batch(programs, params, B, c.prompt_len, c.max_new_tokens), programs.batch_shardings)
+    state = [train.init_train_state(programs, params, 0)]
+
+    def step():
+        state[0], m = programs.train_step(state[0], batch)
+        return m
+
+    return best_time(step, repeats), B, c.prompt_len + c.max_new_tokens, built.model
+
+
+def train_mfu(size: str, repeats: int, peak_flops: float) -> dict:
+    out = {}
+    for name in ("tiny",) if size == "tiny" else ("default", "bench"):
+        seconds, B, T, cfg = train_step_time(bench_config(name), repeats)
+        flops = train_flops(cfg, B, T)
+        out[name] = dict(seconds=seconds, batch=B, tokens=B * T, flops=flops, mfu=flops / seconds / peak_flops)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- loss
+
+
+def loss_share(size: str, repeats: int) -> dict:
+    c = bench_config("tiny" if size == "tiny" else "default")
+    step_seconds, B, T, _ = train_step_time(c, repeats)
+    rng = np.random.default_rng(0)
+    logp = jnp.asarray(-rng.exponential(1.0, (B, T)), jnp.float32)
+    old = logp + jnp.asarray(rng.normal(0, 0.1, (B, T)), jnp.float32)
+    mask = jnp.asarray(rng.random((B, T)) < 0.5, jnp.float32)
+    adv = jnp.asarray(rng.normal(size=B), jnp.float32)
+    out = {}
+    for name, alg in ALGORITHMS.items():
+        cfg = alg.loss_config(T)
+        fn = jax.jit(jax.value_and_grad(lambda lp, cfg=cfg: losses.policy_loss(cfg, lp, old, adv, mask, logp)[0]))
+        seconds = best_time(lambda fn=fn: fn(logp), repeats)
+        out[name] = dict(seconds=seconds, share_of_train_step=seconds / step_seconds)
+    return dict(train_step_seconds=step_seconds, by_objective=out)
+
+
+# ---------------------------------------------------------------------------------------------- moe
+
+
+def _dispatch_loss(fn, topk, gates, x, *w):
+    return jnp.sum(fn(x, topk, gates, *w) ** 2)
+
+
+def moe_dispatch(size: str, repeats: int) -> dict:
+    tokens = (128, 512) if size == "tiny" else (256, 1024, 4096)
+    experts = (4, 8) if size == "tiny" else (4, 8, 16)
+    D = F = 64 if size == "tiny" else 256
+    out = []
+    for N in tokens:
+        for E in experts:
+            keys = jax.random.split(jax.random.key(N * 31 + E), 5)
+            x = jax.random.normal(keys[0], (1, N, D))
+            w = [jax.random.normal(k, s) * s[-2] ** -0.5 for k, s in zip(keys[1:4], [(E, D, F), (E, D, F), (E, F, D)])]
+            topk = jax.random.randint(keys[4], (1, N, 2), 0, E)
+            topk = topk.at[..., 1].set((topk[..., 0] + 1 + topk[..., 1] % (E - 1)) % E)  # distinct experts
+            gates = jnp.full((1, N, 2), 0.5)
+            row = dict(tokens=N, experts=E, top_k=2)
+            for name, fn in (("dense", moe.dense_experts), ("ragged", moe.ragged_experts)):
+                loss = functools.partial(_dispatch_loss, fn, topk, gates)
+                f = jax.jit(jax.value_and_grad(loss))
+                row[f"{name}_seconds"] = best_time(functools.partial(f, x, *w), repeats)
+            row["useful_flops"] = 3 * 2 * N * 2 * 3 * D * F  # fwd + bwd, k=2 experts, 3 matmuls
+            out.append(row)
+    return {"rows": out}
+
+
+# ---------------------------------------------------------------------------------------------- sampler
+
+
+def naive_decoder(graphdef, prompt_len: int, max_new: int, max_top_k: int):
+    """The full forward over the fixed [B, P+C] buffer at every step: a sampler without a KV cache."""
+
+    @functools.partial(jax.jit, donate_argnums=(1, 2))
+    def step(state, seq_BT, valid_BT, key, i, temperature, top_k, top_p):
+        logits_BTV, _ = model_lib.apply(graphdef, state, seq_BT, model_lib.positions_from_mask(valid_BT))
+        last_BV = jax.lax.dynamic_index_in_dim(logits_BTV, prompt_len + i - 1, axis=1, keepdims=False)
+        tok_B, _ = sample_logits(last_BV, key, temperature, top_k, top_p, max_top_k)
+        seq_BT = jax.lax.dynamic_update_slice_in_dim(seq_BT, tok_B[:, None], prompt_len + i, axis=1)
+        ones_B1 = jnp.ones_like(tok_B, bool)[:, None]
+        return seq_BT, jax.lax.dynamic_update_slice_in_dim(valid_BT, ones_B1, prompt_len + i, axis=1)
+
+    def generate(state, prompts, mask, key, temperature, top_k, top_p):
+        B = prompts.shape[0]
+        seq = jnp.concatenate([jnp.asarray(prompts), jnp.zeros((B, max_new), jnp.int32)], 1)
+        valid = jnp.concatenate([jnp.asarray(mask), jnp.zeros((B, max_new), bool)], 1)
+        for i in range(max_new):
+            key, sub = jax.random.split(key)
+            seq, valid = step(state, seq, valid, sub, jnp.int32(i), temperature, top_k, top_p)
+        return seq
+
+    return generate
+
+
+def sampler_throughput(size: str, repeats: int, peak_flops: float) -> dict:
+    cfg = build(iteration_config("tiny" if size == "tiny" else "iteration")).model
+    graphdef, state = nnx.split(model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
+    P, C = (8, 8) if size == "tiny" else (16, 64)
+    rng = np.random.default_rng(0)
+    t, k, p = jnp.float32(1.0), jnp.int32(0), jnp.float32(1.0)
+
+    def run(batch: int) -> float:
+        prompts, mask = left_pad([rng.integers(4, cfg.vocab_size, P) for _ in range(batch)], P)
+        sampler = Sampler(graphdef, cfg, batch, P, C)
+        key = jax.random.key(0)  # no EOS: every row generates C tokens
+        return best_time(lambda: sampler(state, prompts, mask, key, temperature=t, top_k=k, top_p=p).tokens, repeats)
+
+    flops_per_token = 2 * matmul_params(cfg)
+    batches = (8, 16) if size == "tiny" else (8, 16, 32, 64, 128, 256)
+    scaling = []
+    for b in batches:
+        seconds = run(b)
+        tps = b * C / seconds
+        scaling.append(dict(batch=b, seconds=seconds, tokens_per_s=tps, decode_mfu=tps * flops_per_token / peak_flops))
+    B = 16 if size == "tiny" else 64
+    prompts, mask = left_pad([rng.integers(4, cfg.vocab_size, P) for _ in range(B)], P)
+    naive = naive_decoder(graphdef, P, C, 64)
+    naive_seconds = best_time(lambda: naive(state, prompts, mask, jax.random.key(0), t, k, p), max(1, repeats // 2))
+    fast = next(r for r in scaling if r["batch"] == B)
+    return dict(
+        prompt=P,
+        new_tokens=C,
+        batch=B,
+        tokens_per_s=fast["tokens_per_s"],
+        naive_tokens_per_s=B * C / naive_seconds,
+        speedup_vs_naive=naive_seconds / fast["seconds"],
+        decode_mfu=fast["decode_mfu"],
+        by_batch=scaling,
+    )
+
+
+# ---------------------------------------------------------------------------------------------- iteration
+
+
+def iteration_config(size: str):
+    """The `iteration` shape: a random MoE of width 256, 4 layers, all MoE with 4 experts top-2 (GQA
+    4/2, expert width 256), 16 prompts × 8 samples, prompts of 16 tokens and up to 64 new tokens,
+    one optimizer step per iteration, no KL, no warm start."""
+    c = base_config("gspo", "tiny" if size == "tiny" else "default")
+    if size != "tiny":
+        c.model.update(embed_dim=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, dense_layers=())
+        c.model.update(num_experts=4, top_k=2, moe_mlp_dim=256)
+        c.rollout.update(num_groups=16, group_size=8)
+        c.prompt_len, c.max_new_tokens = 16, 64
+    c.train.update(minibatches=1, epochs=1, num_iterations=6, eval_every=1000, eval_batches=1, checkpoint_every=1000)
+    c.warm_start.steps = 0
+    return c
+
+
+SPLIT = ("rollout_seconds", "logprob_seconds", "update_seconds", "drift_seconds")
+
+
+def iteration(size: str, repeats: int) -> dict:
+    del repeats
+    out = {}
+    for drift in (True, False):
+        c = iteration_config(size)
+        c.train.drift_metrics = drift
+        with tempfile.TemporaryDirectory() as workdir:
+            jax.clear_caches()  # the time to a first iteration includes its compiles, as in a new process
+            t0 = time.time()
+            train.train_and_evaluate(c, workdir, progress=False)
+            rows = [json.loads(x) for x in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+        warm = [r for r in rows if 2 <= r["step"] <= 5]  # iterations 2..5: compiled, not the last (it evaluates)
+        wall = [b["time"] - a["time"] for a, b in zip(rows[1:], rows[2:]) if 2 <= b["step"] <= 5]
+        split = {k: float(np.mean([r[k] for r in warm])) for k in SPLIT}
+        split["other_seconds"] = float(np.mean(wall)) - sum(split.values())  # checkpoint, logging, host work
+        out["drift_on" if drift else "drift_off"] = dict(
+            seconds=float(np.mean(wall)),
+            split=split,
+            compiles_after_warmup=int(sum(r["xla_compiles"] for r in warm)),
+            seconds_to_first_iteration=rows[1]["time"] - t0,
+        )
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--only", action="append", choices=SECTIONS, help="run only these sections")
+    ap.add_argument("--size", default="full", choices=("full", "tiny"), help="tiny: seconds, for the smoke test")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", default=str(RESULTS))
+    args = ap.parse_args()
+    sections = args.only or SECTIONS
+    repeats = 1 if args.size == "tiny" else args.repeats
+    results = dict(machine=f"{platform.node()} {platform.machine()}, {jax.device_count()} {jax.devices()[0].platform}")
+    results["jax"] = jax.__version__
+    results["peak"] = peak(args.size, repeats)
+    flops = results["peak"]["flops_per_s"]
+    print(f"peak float32 matmul: {flops / 1e9:.1f} GFLOP/s ({results['machine']})")
+    if "train" in sections:
+        results["train"] = train_mfu(args.size, repeats, flops)
+        for name, r in results["train"].items():
+            print(f"train step [{name}]: {r['seconds'] * 1e3:.1f} ms, MFU {r['mfu']:.1%}")
+    if "loss" in sections:
+        results["loss"] = loss_share(args.size, repeats)
+        for name, r in results["loss"]["by_objective"].items():
+            print(f"loss [{name}]: {r['seconds'] * 1e3:.2f} ms, {r['share_of_train_step']:.1%} of a train step")
+    if "moe" in sections:
+        results["moe"] = moe_dispatch(args.size, repeats)
+        for r in results["moe"]["rows"]:
+            ratio = r["ragged_seconds"] / r["dense_seconds"]
+            dense_ms = r["dense_seconds"] * 1e3
+            print(f"moe N={r['tokens']} E={r['experts']}: dense {dense_ms:.2f} ms, ragged/dense {ratio:.2f}")
+    if "sampler" in sections:
+        results["sampler"] = s = sampler_throughput(args.size, repeats, flops)
+        print(
+            f"sampler batch {s['batch']}: {s['tokens_per_s']:,.0f} tokens/s, {s['speedup_vs_naive']:.1f}x naive, "
+            f"decode MFU {s['decode_mfu']:.1%}; by batch: "
+            + ", ".join(f"{r['batch']}: {r['tokens_per_s']:,.0f}" for r in s["by_batch"])
+        )
+    if "iteration" in sections:
+        results["iteration"] = it = iteration(args.size, repeats)
+        for name, r in it.items():
+            parts = ", ".join(f"{k.removesuffix('_seconds')} {v:.2f}" for k, v in r["split"].items())
+            print(
+                f"iteration [{name}]: {r['seconds']:.2f} s ({parts}); compiles after warm-up "
+                f"{r['compiles_after_warmup']}, first iteration after {r['seconds_to_first_iteration']:.1f} s"
+            )
+    Path(args.out).write_text(json.dumps(results, indent=2, default=float))
+    print(f"wrote {args.out}")
+
+
+if __name__ == "__main__":
+    main()

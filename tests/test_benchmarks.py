@@ -1,0 +1,51 @@
+"""The benchmark runner at a tiny size: it produces every figure (nothing here is timed)."""
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_runner_produces_every_figure(tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    out = tmp_path / "results.json"
+    r = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run", "--size", "tiny", "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    positive = lambda x: isinstance(x, (int, float)) and math.isfinite(x) and x > 0
+    assert positive(res["peak"]["flops_per_s"])
+    assert all(positive(v["mfu"]) and positive(v["flops"]) for v in res["train"].values())
+    assert len(res["loss"]["by_objective"]) == 8
+    assert all(positive(v["share_of_train_step"]) for v in res["loss"]["by_objective"].values())
+    assert res["moe"]["rows"] and all(
+        positive(r["dense_seconds"]) and positive(r["ragged_seconds"]) for r in res["moe"]["rows"]
+    )
+    s = res["sampler"]
+    assert positive(s["tokens_per_s"]) and positive(s["speedup_vs_naive"]) and positive(s["decode_mfu"])
+    assert [r["batch"] for r in s["by_batch"]] == [8, 16]
+    for name in ("drift_on", "drift_off"):
+        it = res["iteration"][name]
+        assert positive(it["seconds"]) and positive(it["seconds_to_first_iteration"])
+        assert set(it["split"]) == {
+            "rollout_seconds",
+            "logprob_seconds",
+            "update_seconds",
+            "drift_seconds",
+            "other_seconds",
+        }
+        assert it["compiles_after_warmup"] == 0  # fixed shapes: nothing compiles after the first iteration
