@@ -88,14 +88,14 @@ class Checkpointer:
         step = int(step)
         _check_no_typed_keys(state)
         meta_json = json.loads(json.dumps(meta))  # fail here, not in a background thread
-        self.wait()  # the previous save is complete: its checksums can be recorded
+        if not force and step % self.save_every:
+            return False
+        self.wait()  # the previous save is complete (orbax would wait for it too): record its checksums
         steps = self._manager.all_steps()
         if step in steps:
             return False
         if steps and step < max(steps):
             log.warning("Not saving step %d: %s already holds newer step %d.", step, self.directory, max(steps))
-            return False
-        if not force and step % self.save_every:
             return False
         # force=True: the save_every decision above is the only one; orbax's own policy is bypassed.
         saved = self._manager.save(

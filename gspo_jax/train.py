@@ -236,16 +236,16 @@ def rl_iteration(
 
     B, num_mb = batch.tokens.shape[0], t.minibatches
     mb_size = B // num_mb
-    acc = None
+    step_metrics = []  # left on the device until every update is dispatched: no host sync in the loop
     for epoch in range(t.epochs):
         perm = np.asarray(jax.random.permutation(jax.random.fold_in(key, 1 + epoch), B))
         for m in range(num_mb):
             idx = perm[m * mb_size : (m + 1) * mb_size]
             mb = jax.device_put(jax.tree.map(lambda x, i=idx: x[i], full), programs.batch_shardings)
-            state, step_metrics = programs.train_step(state, mb)
-            step_metrics = jax.tree.map(float, jax.device_get(step_metrics))  # host float64 from here
-            acc = step_metrics if acc is None else metrics_lib.merge(acc, step_metrics)
-    metrics.update(metrics_lib.compute(acc))
+            state, step = programs.train_step(state, mb)
+            step_metrics.append(step)
+    host = [jax.tree.map(float, s) for s in jax.device_get(step_metrics)]  # float64 from here
+    metrics.update(metrics_lib.compute(functools.reduce(metrics_lib.merge, host)))
     t_updates = time.perf_counter() - t0 - t_rollout - t_logprobs  # synchronised: metrics are on the host
     if metrics["skipped"]:
         log.warning(

@@ -13,6 +13,7 @@ Split: a prompt is held out iff a stable hash of its text falls below `holdout` 
 
 from __future__ import annotations
 
+import abc
 import hashlib
 import numbers
 from collections.abc import Iterator
@@ -53,17 +54,19 @@ def _check_state(state: dict, keys: tuple[str, ...]) -> dict[str, int]:
 
 
 class _PromptIterator(Iterator[Example]):
-    """Batching shared by both iterators."""
+    """What both iterators share: batching, and rebuilding one from its saved state."""
 
     def next_batch(self, n: int) -> list[Example]:
         """The next `n` examples."""
         return [next(self) for _ in range(n)]
 
+    @abc.abstractmethod
     def state(self) -> dict[str, int]:
-        raise NotImplementedError
+        """The position, as a dict of plain ints (checkpointed with the run)."""
 
+    @abc.abstractmethod
     def restore(self, state: dict) -> None:
-        raise NotImplementedError
+        """Moves to the position `state()` returned."""
 
     @classmethod
     def from_state(cls, task: Task, state: dict, **kwargs):
