@@ -55,7 +55,7 @@ class ModelConfig:
     dense_layers: tuple[int, ...] = ()  # like Qwen3-MoE mlp_only_layers
     lb_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
-    dispatch: str = "dense"  # 'dense' (all-experts einsum) | 'ragged' (sorted ragged_dot)
+    dispatch: str = "sparse"  # "sparse" (block-sorted loop: CPU) | "dense" (all-experts einsum) | "ragged" (ragged_dot)
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype; router, softmax and logits are float32 regardless
 
@@ -249,19 +249,26 @@ class RMSNorm(nnx.Module):
         return y.astype(x.dtype) * self.scale[...].astype(x.dtype)
 
 
-def apply_rope(x_BTHW: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding, HF rotate_half layout (first half / second half of head_dim).
-
-    Negative (padding) positions rotate as position 0.
-    """
-    W = x_BTHW.shape[-1]
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, W, 2, dtype=jnp.float32) / W))
+def rope_table(positions_BT: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
+    """(cos, sin) [B, T, 1, W] of the rotary angles, HF rotate_half layout; negative (padding)
+    positions rotate as position 0. Computed once per forward and shared by every layer's q and k."""
+    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
     angles_BTw = jnp.maximum(positions_BT, 0).astype(jnp.float32)[..., None] * inv_freq
     angles_BTW = jnp.concatenate([angles_BTw, angles_BTw], axis=-1)[:, :, None, :]
-    cos, sin = jnp.cos(angles_BTW).astype(x_BTHW.dtype), jnp.sin(angles_BTW).astype(x_BTHW.dtype)
+    return jnp.cos(angles_BTW), jnp.sin(angles_BTW)
+
+
+def rotate(x_BTHW: jax.Array, cos_sin: tuple[jax.Array, jax.Array]) -> jax.Array:
+    """Applies a `rope_table` to queries or keys."""
+    W = x_BTHW.shape[-1]
+    cos, sin = (c.astype(x_BTHW.dtype) for c in cos_sin)
     x1, x2 = x_BTHW[..., : W // 2], x_BTHW[..., W // 2 :]
-    rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return x_BTHW * cos + rotated * sin
+    return x_BTHW * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
+
+
+def apply_rope(x_BTHW: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
+    """Rotary embedding at `positions_BT` (see `rope_table`)."""
+    return rotate(x_BTHW, rope_table(positions_BT, x_BTHW.shape[-1], theta))
 
 
 def attention_mask(q_pos_BT, k_pos_BS, q_slot_T, k_slot_S) -> jax.Array:
@@ -287,9 +294,10 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(W, cfg.rms_eps, param_dtype=pd, rngs=rngs)
             self.k_norm = RMSNorm(W, cfg.rms_eps, param_dtype=pd, rngs=rngs)
 
-    def __call__(self, x_BTD, positions_BT, kv=None):
-        """kv=None: attend within the chunk. kv=(k_all, v_all, key_pos_BS, index, layer): write this
-        chunk's keys/values into the cache at slots index.., attend over all S slots, return new k_all, v_all."""
+    def __call__(self, x_BTD, positions_BT, rope, kv=None):
+        """`rope`: the forward's `rope_table`. kv=None: attend within the chunk. kv=(k_all, v_all,
+        key_pos_BS, index, layer): write this chunk's keys/values into the cache at slots index..,
+        attend over all S slots, return new k_all, v_all."""
         cfg, dtype = self.cfg, x_BTD.dtype
         B, T, _ = x_BTD.shape
         q_BTHW = jnp.einsum("btd,dhw->bthw", x_BTD, self.q_proj[...].astype(dtype))
@@ -297,8 +305,7 @@ class Attention(nnx.Module):
         v_BTJW = jnp.einsum("btd,djw->btjw", x_BTD, self.v_proj[...].astype(dtype))
         if cfg.qk_norm:
             q_BTHW, k_BTJW = self.q_norm(q_BTHW), self.k_norm(k_BTJW)
-        q_BTHW = apply_rope(q_BTHW, positions_BT, cfg.rope_theta)
-        k_BTJW = apply_rope(k_BTJW, positions_BT, cfg.rope_theta)
+        q_BTHW, k_BTJW = rotate(q_BTHW, rope), rotate(k_BTJW, rope)
         q_slot_T = jnp.arange(T, dtype=jnp.int32)
         if kv is None:
             k_BSJW, v_BSJW, key_pos_BS, k_slot_S, new_kv = k_BTJW, v_BTJW, positions_BT, q_slot_T, None
@@ -366,9 +373,9 @@ class Block(nnx.Module):
         else:
             self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, param_dtype=pd, rngs=rngs)
 
-    def __call__(self, x_BTD, positions_BT, kv=None, forced_topk_BTK=None):
+    def __call__(self, x_BTD, positions_BT, rope, kv=None, forced_topk_BTK=None):
         """Returns (x, new_kv, router stats or None)."""
-        h_BTD, new_kv = self.self_attn(self.input_layernorm(x_BTD), positions_BT, kv)
+        h_BTD, new_kv = self.self_attn(self.input_layernorm(x_BTD), positions_BT, rope, kv)
         x_BTD = x_BTD + h_BTD
         h_BTD = self.post_attention_layernorm(x_BTD)
         if self.is_moe:
@@ -416,11 +423,12 @@ class Transformer(nnx.Module):
             index = cache.index.astype(jnp.int32)
             key_pos_BS = jax.lax.dynamic_update_slice(cache.positions, positions_BT, (jnp.zeros((), jnp.int32), index))
             k_all, v_all = cache.k, cache.v
+        rope = rope_table(positions_BT, cfg.head_dim, cfg.rope_theta)
         stats = []
         for i, layer in enumerate(self.layers):
             kv = None if cache is None else (k_all, v_all, key_pos_BS, index, i)
             forced = None if forced_topk is None or not layer.is_moe else forced_topk[:, len(stats)]
-            x_BTD, new_kv, s = layer(x_BTD, positions_BT, kv, forced)
+            x_BTD, new_kv, s = layer(x_BTD, positions_BT, rope, kv, forced)
             if cache is not None:
                 k_all, v_all = new_kv
             if s is not None:

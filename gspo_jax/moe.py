@@ -1,5 +1,5 @@
 """Dropless sparse Mixture-of-Experts feed-forward: float32 router, top-k with optional
-renormalisation, routing replay, two dispatch paths, load-balancing and z losses.
+renormalisation, routing replay, three dispatch paths, load-balancing and z losses.
 Shape letters: `gspo_jax/__init__.py` (E experts, K chosen per token, F expert width).
 
 Dropless means every token reaches its k experts whatever the rest of the batch is,
@@ -9,6 +9,7 @@ replay is well defined.
 
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import jax
@@ -18,7 +19,7 @@ from flax import nnx
 from gspo_jax import sharding
 from gspo_jax.validation import check, check_choice
 
-DISPATCHES = ("dense", "ragged")
+DISPATCHES = ("dense", "ragged", "sparse")
 
 
 class RouterOutput(NamedTuple):
@@ -122,6 +123,167 @@ def ragged_experts(x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF, w_down_EFD)
     return y_ND.reshape(B, T, D).astype(dtype)
 
 
+def sparse_block_size(assignments: int, num_experts: int) -> int:
+    """Rows per block of the sparse path: the largest power of two in [8, 256] with E·b <= A/4, so the
+    padding (at most b - 1 rows per expert) costs at most a quarter of the useful rows, on average an
+    eighth, while the blocks stay wide enough for efficient matmuls."""
+    b = 256
+    while b > 8 and num_experts * b * 4 > assignments:
+        b //= 2
+    return b
+
+
+class BlockLayout(NamedTuple):
+    """Where each (token, choice) assignment sits in the expert-sorted, block-padded row buffer.
+
+    Rows are grouped by expert, each expert's group padded to a multiple of `b` rows, so every block of
+    b rows belongs to one expert. Padding rows point at token N (a zero row). Static sizes: R = NB·b
+    rows with NB = (A + E·(b - 1)) // b blocks, the most any routing can need; only `num_blocks` are used.
+    """
+
+    row_NK: jax.Array  # int32 [N, K]: the row of each assignment
+    token_R: jax.Array  # int32 [R]: the token of each row (N on padding rows)
+    expert_NB: jax.Array  # int32 [NB]: the expert of each block (clamped to E - 1 past the used ones)
+    num_blocks: jax.Array  # int32 scalar: blocks in use
+
+
+def block_layout(topk_NK: jax.Array, num_experts: int, b: int) -> BlockLayout:
+    """The block-padded expert-sorted layout of a routing (integer work only, no sort: a token's rank
+    within its expert is a running count). Within an expert, rows keep the assignments' order."""
+    N, K = topk_NK.shape
+    A, E = N * K, num_experts
+    NB = (A + E * (b - 1)) // b
+    expert_A = topk_NK.reshape(A)
+    onehot_AE = jax.nn.one_hot(expert_A, E, dtype=jnp.int32)
+    rank_A = jnp.take_along_axis(jnp.cumsum(onehot_AE, axis=0), expert_A[:, None], axis=1)[:, 0] - 1
+    blocks_E = (jnp.sum(onehot_AE, axis=0) + b - 1) // b
+    block_end_E = jnp.cumsum(blocks_E)
+    row_A = ((block_end_E - blocks_E) * b)[expert_A] + rank_A
+    token_R = jnp.full((NB * b,), N, jnp.int32).at[row_A].set(jnp.arange(A, dtype=jnp.int32) // K, unique_indices=True)
+    expert_NB = jnp.searchsorted(block_end_E, jnp.arange(NB, dtype=jnp.int32), side="right")
+    return BlockLayout(
+        row_NK=row_A.reshape(N, K).astype(jnp.int32),
+        token_R=token_R,
+        expert_NB=jnp.minimum(expert_NB, E - 1).astype(jnp.int32),
+        num_blocks=block_end_E[-1].astype(jnp.int32),
+    )
+
+
+def _rows(x_RD, i, b):
+    return jax.lax.dynamic_slice_in_dim(x_RD, i * b, b)
+
+
+def _put_rows(x_RD, rows_bD, i, b):
+    return jax.lax.dynamic_update_slice_in_dim(x_RD, rows_bD.astype(x_RD.dtype), i * b, axis=0)
+
+
+def _dot(a, b_):
+    return jnp.dot(a, b_, preferred_element_type=jnp.float32)
+
+
+def _swiglu_blocks(layout: BlockLayout, x_RD, w_gu_EDG, w_down_EFD, b: int, keep_gu: bool):
+    """The experts' SwiGLU on every used block (G = 2F: gate and up side by side): y_R [R, D], and
+    the pre-activations gu_R [R, G] when `keep_gu` (the backward pass reads them)."""
+    F = w_down_EFD.shape[1]
+    dtype = x_RD.dtype
+
+    def body(i, carry):
+        y_RD, gu_RG = carry
+        e = layout.expert_NB[i]
+        gu_bG = _dot(_rows(x_RD, i, b), w_gu_EDG[e]).astype(dtype)
+        h_bF = jax.nn.silu(gu_bG[:, :F]) * gu_bG[:, F:]
+        y_RD = _put_rows(y_RD, _dot(h_bF, w_down_EFD[e]), i, b)
+        return y_RD, (_put_rows(gu_RG, gu_bG, i, b) if keep_gu else gu_RG)
+
+    R, D = x_RD.shape
+    gu_RG = jnp.zeros((R if keep_gu else 0, 2 * F), dtype)
+    return jax.lax.fori_loop(0, layout.num_blocks, body, (jnp.zeros((R, D), dtype), gu_RG))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _sparse_experts(b: int, layout: BlockLayout, x_ND, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD):
+    return _sparse_experts_fwd(b, layout, x_ND, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD, keep=False)[0]
+
+
+def _sparse_experts_fwd(b, layout, x_ND, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD, keep=True):
+    x_RD = jnp.concatenate([x_ND, jnp.zeros_like(x_ND[:1])])[layout.token_R]
+    w_gu_EDG = jnp.concatenate([w_gate_EDF, w_up_EDF], axis=-1)
+    y_RD, gu_RG = _swiglu_blocks(layout, x_RD, w_gu_EDG, w_down_EFD, b, keep_gu=keep)
+    y_NKD = y_RD[layout.row_NK]
+    y_ND = jnp.einsum("nkd,nk->nd", y_NKD, gates_NK, preferred_element_type=jnp.float32).astype(x_ND.dtype)
+    return y_ND, (layout, x_RD, gu_RG, y_NKD, gates_NK, w_gu_EDG, w_down_EFD)
+
+
+def _sparse_experts_bwd(b, res, dy_ND):
+    layout, x_RD, gu_RG, y_NKD, gates_NK, w_gu_EDG, w_down_EFD = res
+    N, K = gates_NK.shape
+    E, F, D = w_down_EFD.shape
+    dtype = x_RD.dtype
+    dy_ND = dy_ND.astype(jnp.float32)
+    d_gates_NK = jnp.einsum("nkd,nd->nk", y_NKD.astype(jnp.float32), dy_ND).astype(gates_NK.dtype)
+    # Each row's output gradient: its token's, times its gate (padding rows read the zero row).
+    gate_R = (
+        jnp.zeros((x_RD.shape[0],), jnp.float32)
+        .at[layout.row_NK.reshape(-1)]
+        .set(gates_NK.reshape(-1).astype(jnp.float32), unique_indices=True)
+    )
+    dy_RD = (jnp.concatenate([dy_ND, jnp.zeros_like(dy_ND[:1])])[layout.token_R] * gate_R[:, None]).astype(dtype)
+
+    def body(i, carry):
+        dx_RD, dw_gu_EDG, dw_down_EFD = carry
+        e = layout.expert_NB[i]
+        dy_bD, x_bD, gu_bG = _rows(dy_RD, i, b), _rows(x_RD, i, b), _rows(gu_RG, i, b).astype(jnp.float32)
+        g_bF, u_bF = gu_bG[:, :F], gu_bG[:, F:]
+        sig_bF = jax.nn.sigmoid(g_bF)
+        silu_bF = g_bF * sig_bF
+        h_bF = (silu_bF * u_bF).astype(dtype)
+        dh_bF = _dot(dy_bD, w_down_EFD[e].T)
+        d_gu_bG = jnp.concatenate([dh_bF * u_bF * sig_bF * (1 + g_bF * (1 - sig_bF)), dh_bF * silu_bF], -1)
+        d_gu_bG = d_gu_bG.astype(dtype)
+        dx_RD = _put_rows(dx_RD, _dot(d_gu_bG, w_gu_EDG[e].T), i, b)
+        dw_gu_EDG = dw_gu_EDG.at[e].add(_dot(x_bD.T, d_gu_bG))
+        dw_down_EFD = dw_down_EFD.at[e].add(_dot(h_bF.T, dy_bD))
+        return dx_RD, dw_gu_EDG, dw_down_EFD
+
+    init = (
+        jnp.zeros_like(x_RD),
+        jnp.zeros(w_gu_EDG.shape, jnp.float32),
+        jnp.zeros(w_down_EFD.shape, jnp.float32),
+    )
+    dx_RD, dw_gu_EDG, dw_down_EFD = jax.lax.fori_loop(0, layout.num_blocks, body, init)
+    dx_ND = jnp.sum(dx_RD[layout.row_NK].astype(jnp.float32), axis=1).astype(dtype)
+    dw_gate, dw_up = dw_gu_EDG[..., :F], dw_gu_EDG[..., F:]
+    cast = lambda g, like: g.astype(like.dtype)
+    return None, dx_ND, d_gates_NK, cast(dw_gate, w_gu_EDG), cast(dw_up, w_gu_EDG), cast(dw_down_EFD, w_down_EFD)
+
+
+_sparse_experts.defvjp(_sparse_experts_fwd, _sparse_experts_bwd)
+
+
+def sparse_experts(x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, *, block: int | None = None):
+    """Sparse dispatch for CPUs: each token's rows go to an expert-sorted buffer padded per expert to
+    blocks of `block` rows (`sparse_block_size` by default), and a loop over the used blocks runs
+    each one's SwiGLU with its expert's weights. Exact and dropless: a token's output is computed from
+    its own row only, in k·(useful) FLOPs plus at most `block - 1` padding rows per expert, never E/k
+    times the work like the dense path. The backward pass is hand-written (the same block loop; the
+    gathers' transposes are gathers of the inverse permutation, never scatter-adds)."""
+    B, T, D = x_BTD.shape
+    K, E = topk_BTK.shape[-1], w_gate_EDF.shape[0]
+    dtype = x_BTD.dtype
+    b = block or sparse_block_size(B * T * K, E)
+    layout = block_layout(topk_BTK.reshape(B * T, K).astype(jnp.int32), E, b)
+    y_ND = _sparse_experts(
+        b,
+        layout,
+        x_BTD.reshape(B * T, D),
+        gates_BTK.reshape(B * T, K),
+        w_gate_EDF.astype(dtype),
+        w_up_EDF.astype(dtype),
+        w_down_EFD.astype(dtype),
+    )
+    return y_ND.reshape(B, T, D)
+
+
 class MoE(nnx.Module):
     """Sparse SwiGLU experts behind a float32 top-k router.
 
@@ -171,7 +333,7 @@ class MoE(nnx.Module):
         """Mixes each token's top-k experts; `valid_BT` masks padding out of the aux losses."""
         logits_BTE = jnp.einsum("btd,de->bte", x_BTD.astype(jnp.float32), self.router[...].astype(jnp.float32))
         topk_BTK, gates_BTK, probs_BTE = route(logits_BTE, self.top_k, self.renormalize, forced_topk_BTK)
-        experts = dense_experts if self.dispatch == "dense" else ragged_experts
+        experts = {"dense": dense_experts, "ragged": ragged_experts, "sparse": sparse_experts}[self.dispatch]
         y_BTD = experts(
             x_BTD.astype(self.dtype),
             topk_BTK,

@@ -65,7 +65,7 @@ def read_tensors(directory) -> dict:
 # ------------------------------------------------------------------ parity with transformers
 
 
-@pytest.mark.parametrize("dispatch", ["dense", "ragged"])
+@pytest.mark.parametrize("dispatch", ["dense", "ragged", "sparse"])
 @pytest.mark.parametrize("name", PARITY)
 def test_logits_and_topk_match_transformers(name, dispatch):
     cfg, graphdef, state = load(name, dispatch=dispatch)
@@ -197,7 +197,7 @@ def test_transformers5_config_names():
             "qwen3_moe",
         ),
         (model_lib.ModelConfig(num_experts=0, mlp_dim=96), "qwen3_moe"),
-        (model_lib.get_config("mixtral_8x7b", dispatch="dense"), "mixtral"),
+        (model_lib.get_config("mixtral_8x7b", dispatch=model_lib.ModelConfig().dispatch), "mixtral"),
     ],
     ids=["tiny", "sparse_step", "all_dense", "mixtral"],
 )

@@ -84,7 +84,7 @@ def test_config_layer_rule():
         (dict(num_heads=6, num_kv_heads=4), "num_heads"),
         (dict(num_experts=4, top_k=5), "top_k"),
         (dict(num_experts=4, top_k=0), "top_k"),
-        (dict(dispatch="sparse"), "dispatch"),
+        (dict(dispatch="megablocks"), "dispatch"),
         (dict(dtype="float8"), "dtype"),
         (dict(param_dtype="int8"), "param_dtype"),
         (dict(embed_dim=0), "embed_dim"),
@@ -216,7 +216,7 @@ class TestForward(chex.TestCase):
         assert np.isfinite(float(aux.lb_loss)) and np.isfinite(float(aux.z_loss))
 
     @chex.variants(with_jit=True, without_jit=True)
-    @parameterized.named_parameters(("dense", "dense"), ("ragged", "ragged"))
+    @parameterized.named_parameters(("dense", "dense"), ("ragged", "ragged"), ("sparse", "sparse"))
     def test_dropless_token_independent_of_other_rows(self, dispatch):
         cfg, _, state = tiny_model()
         graphdef, _ = build(dataclasses.replace(cfg, dispatch=dispatch))
@@ -232,9 +232,11 @@ class TestForward(chex.TestCase):
         np.testing.assert_allclose(logits[0], base[0], atol=1e-6, rtol=0)
 
     @chex.variants(with_jit=True, without_jit=True)
-    def test_dense_and_ragged_dispatch_agree(self):
-        cfg, graphdef_dense, state = tiny_model()
-        graphdef_ragged, _ = build(dataclasses.replace(cfg, dispatch="ragged"))
+    @parameterized.named_parameters(("ragged", "ragged"), ("sparse", "sparse"))
+    def test_dispatch_paths_agree_with_dense(self, dispatch):
+        cfg, _, state = tiny_model()
+        graphdef_dense, _ = build(dataclasses.replace(cfg, dispatch="dense"))
+        graphdef_other, _ = build(dataclasses.replace(cfg, dispatch=dispatch))
         tokens, positions = random_tokens(8), arange_positions().at[0, :2].set(-1)
         w = jax.random.normal(jax.random.key(9), (B, T, cfg.vocab_size))
 
@@ -243,11 +245,11 @@ class TestForward(chex.TestCase):
             return jnp.sum(logits * w) / logits.size + aux.aux_loss, (logits, aux)
 
         outs = {}
-        for name, graphdef in (("dense", graphdef_dense), ("ragged", graphdef_ragged)):
+        for name, graphdef in (("dense", graphdef_dense), (dispatch, graphdef_other)):
             fn = self.variant(jax.value_and_grad(functools.partial(loss, graphdef=graphdef), has_aux=True))
             outs[name] = fn(state)
         (l_d, (logits_d, aux_d)), g_d = outs["dense"]
-        (l_r, (logits_r, aux_r)), g_r = outs["ragged"]
+        (l_r, (logits_r, aux_r)), g_r = outs[dispatch]
         np.testing.assert_allclose(logits_d, logits_r, atol=1e-5, rtol=1e-5)
         np.testing.assert_array_equal(aux_d.topk, aux_r.topk)
         np.testing.assert_allclose(l_d, l_r, atol=1e-6, rtol=1e-6)
@@ -255,14 +257,71 @@ class TestForward(chex.TestCase):
         assert max(float(jnp.abs(x).max()) for x in router_params(g_d)) > 0
 
     @chex.variants(with_jit=True, without_jit=True)
-    def test_bfloat16_dispatch_paths_close(self):
-        cfg = model_lib.get_config("tiny", param_dtype="bfloat16", dtype="bfloat16")
+    @parameterized.named_parameters(("ragged", "ragged"), ("sparse", "sparse"))
+    def test_bfloat16_dispatch_paths_close(self, dispatch):
+        cfg = model_lib.get_config("tiny", param_dtype="bfloat16", dtype="bfloat16", dispatch="dense")
         graphdef_d, state = build(cfg)
-        graphdef_r, _ = build(dataclasses.replace(cfg, dispatch="ragged"))
+        graphdef_r, _ = build(dataclasses.replace(cfg, dispatch=dispatch))
         tokens = random_tokens(10)
         logits_d, _ = self.variant(fwd(graphdef_d))(state, tokens, arange_positions())
         logits_r, _ = self.variant(fwd(graphdef_r))(state, tokens, arange_positions())
         np.testing.assert_allclose(logits_d, logits_r, atol=0.1, rtol=0.05)
+
+
+class TestSparseDispatch(chex.TestCase):
+    """The block-sorted sparse path against the all-experts dense one, and its layout by hand."""
+
+    def test_block_layout_by_hand(self):
+        # 3 tokens, top-2 over 3 experts, blocks of 2 rows: expert 0 gets assignments (t0,k0), (t2,k1);
+        # expert 1 gets (t0,k1), (t1,k0), (t2,k0); expert 2 gets (t1,k1).
+        topk_NK = jnp.array([[0, 1], [1, 2], [1, 0]], jnp.int32)
+        layout = moe.block_layout(topk_NK, 3, 2)
+        # Expert 0: rows 0-1 (one block); expert 1: rows 2-5 (two blocks, one padding row); expert 2: 6-7.
+        np.testing.assert_array_equal(layout.row_NK, [[0, 2], [3, 6], [4, 1]])
+        np.testing.assert_array_equal(layout.token_R[:8], [0, 2, 0, 1, 2, 3, 1, 3])
+        assert int(layout.num_blocks) == 4
+        np.testing.assert_array_equal(layout.expert_NB[:4], [0, 1, 1, 2])
+        # Static size: enough blocks for the worst routing, (A + E(b-1)) // b = (6 + 3) // 2 = 4.
+        assert layout.token_R.shape == (8,) and layout.expert_NB.shape == (4,)
+        assert np.all(np.asarray(layout.token_R[8:]) == 3)
+
+    def test_block_size_rule(self):
+        assert moe.sparse_block_size(20480, 4) == 256
+        assert moe.sparse_block_size(2304, 8) == 64  # E·b <= A/4
+        assert moe.sparse_block_size(256, 4) == 16
+        assert moe.sparse_block_size(4, 128) == 8  # never below 8
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(
+        ("auto_block", 3, 7, 16, 12, 4, 2, None, "random"),
+        ("block8", 4, 16, 32, 24, 8, 2, 8, "random"),
+        ("top3_of_16", 2, 9, 16, 8, 16, 3, 8, "random"),
+        ("k_equals_e", 2, 5, 8, 8, 4, 4, 8, "random"),
+        ("all_to_one_expert", 3, 11, 16, 8, 4, 2, 8, "skewed"),
+    )
+    def test_matches_dense_values_and_gradients(self, B_, T_, D, F, E, K, block, routing):
+        ks = jax.random.split(jax.random.key(B_ * 100 + E), 6)
+        x = jax.random.normal(ks[0], (B_, T_, D))
+        w = [jax.random.normal(k, s) * s[-2] ** -0.5 for k, s in zip(ks[1:4], [(E, D, F), (E, D, F), (E, F, D)])]
+        logits = jax.random.normal(ks[4], (B_, T_, E))
+        if routing == "skewed":  # every token's first choice is expert 2: the most blocks any routing needs
+            logits = logits.at[..., 2].add(100.0)
+        topk, gates, _ = moe.route(logits, K, True)
+        if routing == "skewed":
+            assert np.all(np.asarray(topk[..., 0]) == 2)
+        sparse = functools.partial(moe.sparse_experts, block=block)
+
+        def loss(fn, x, gates, *w):
+            return jnp.sum(jnp.sin(fn(x, topk, gates, *w)))
+
+        y_d = moe.dense_experts(x, topk, gates, *w)
+        y_s = self.variant(lambda *a: sparse(a[0], topk, *a[1:]))(x, gates, *w)
+        np.testing.assert_allclose(y_s, y_d, atol=1e-5, rtol=1e-5)
+        grad = lambda fn: jax.value_and_grad(functools.partial(loss, fn), argnums=(0, 1, 2, 3, 4))
+        (l_d, g_d), (l_s, g_s) = grad(moe.dense_experts)(x, gates, *w), self.variant(grad(sparse))(x, gates, *w)
+        np.testing.assert_allclose(l_s, l_d, rtol=1e-5)
+        chex.assert_trees_all_close(g_s, g_d, atol=1e-5, rtol=1e-4)
+        assert all(float(jnp.abs(g).max()) > 0 for g in g_s)
 
 
 # ------------------------------------------------------------------ KV cache
@@ -270,7 +329,7 @@ class TestForward(chex.TestCase):
 
 class TestKVCache(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
-    @parameterized.named_parameters(("dense", "dense"), ("ragged", "ragged"))
+    @parameterized.named_parameters(("dense", "dense"), ("ragged", "ragged"), ("sparse", "sparse"))
     def test_prefill_then_decode_matches_full_forward(self, dispatch):
         cfg, _, state = tiny_model()
         graphdef, _ = build(dataclasses.replace(cfg, dispatch=dispatch))
@@ -426,6 +485,7 @@ class TestSharding(chex.TestCase):
     @parameterized.named_parameters(
         ("dp_ep_tp_dense", dict(data=2, expert=2, tensor=2), "dense"),
         ("fsdp_ep_tp_ragged", dict(fsdp=2, expert=2, tensor=2), "ragged"),
+        ("dp_ep_tp_sparse", dict(data=2, expert=2, tensor=2), "sparse"),
     )
     def test_sharded_forward_matches_single_device(self, axes, dispatch):
         cfg, _, state = tiny_model()
