@@ -190,8 +190,10 @@ def get_config(name: str, **overrides) -> ModelConfig:
 class KVCache:
     """Preallocated keys/values for every layer; slot positions -1 mark empty slots."""
 
-    k: jax.Array  # [num_layers, B, S, J, W]
-    v: jax.Array  # [num_layers, B, S, J, W]
+    # One array per layer, heads before slots: a decode step's attention reads each (sequence, head)'s
+    # keys in place, with no copy of a layer out of a stacked cache.
+    k: tuple[jax.Array, ...]  # num_layers × [B, J, S, W]
+    v: tuple[jax.Array, ...]  # num_layers × [B, J, S, W]
     positions: jax.Array  # int32 [B, S]
     index: jax.Array  # int32 scalar: next slot to write
 
@@ -199,10 +201,10 @@ class KVCache:
 def init_cache(cfg: ModelConfig, batch: int, max_len: int, dtype=None) -> KVCache:
     """An empty cache of `max_len` slots (compute dtype unless `dtype` is given)."""
     dtype = cfg.jnp_dtype if dtype is None else DTYPES.get(dtype, dtype)
-    shape = (cfg.num_layers, batch, max_len, cfg.num_kv_heads, cfg.head_dim)
+    shape = (batch, cfg.num_kv_heads, max_len, cfg.head_dim)
     return KVCache(
-        k=jnp.zeros(shape, dtype),
-        v=jnp.zeros(shape, dtype),
+        k=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
+        v=tuple(jnp.zeros(shape, dtype) for _ in range(cfg.num_layers)),
         positions=jnp.full((batch, max_len), -1, jnp.int32),
         index=jnp.zeros((), jnp.int32),
     )
@@ -295,9 +297,9 @@ class Attention(nnx.Module):
             self.k_norm = RMSNorm(W, cfg.rms_eps, param_dtype=pd, rngs=rngs)
 
     def __call__(self, x_BTD, positions_BT, rope, kv=None):
-        """`rope`: the forward's `rope_table`. kv=None: attend within the chunk. kv=(k_all, v_all,
-        key_pos_BS, index, layer): write this chunk's keys/values into the cache at slots index..,
-        attend over all S slots, return new k_all, v_all."""
+        """`rope`: the forward's `rope_table`. kv=None: attend within the chunk. kv=(k_BJSW, v_BJSW,
+        key_pos_BS, index), this layer's cache: write this chunk's keys/values at slots index..,
+        attend over all S slots, return the new (k_BJSW, v_BJSW)."""
         cfg, dtype = self.cfg, x_BTD.dtype
         B, T, _ = x_BTD.shape
         q_BTHW = jnp.einsum("btd,dhw->bthw", x_BTD, self.q_proj[...].astype(dtype))
@@ -307,21 +309,23 @@ class Attention(nnx.Module):
             q_BTHW, k_BTJW = self.q_norm(q_BTHW), self.k_norm(k_BTJW)
         q_BTHW, k_BTJW = rotate(q_BTHW, rope), rotate(k_BTJW, rope)
         q_slot_T = jnp.arange(T, dtype=jnp.int32)
-        if kv is None:
-            k_BSJW, v_BSJW, key_pos_BS, k_slot_S, new_kv = k_BTJW, v_BTJW, positions_BT, q_slot_T, None
-        else:
-            k_all, v_all, key_pos_BS, index, layer = kv
-            zero = jnp.zeros((), jnp.int32)
-            start = (jnp.asarray(layer, jnp.int32), zero, index, zero, zero)
-            k_all = jax.lax.dynamic_update_slice(k_all, k_BTJW[None].astype(k_all.dtype), start)
-            v_all = jax.lax.dynamic_update_slice(v_all, v_BTJW[None].astype(v_all.dtype), start)
-            k_BSJW, v_BSJW = k_all[layer].astype(dtype), v_all[layer].astype(dtype)
-            k_slot_S = jnp.arange(k_all.shape[2], dtype=jnp.int32)
-            q_slot_T = q_slot_T + index
-            new_kv = (k_all, v_all)
         Q = cfg.num_heads // cfg.num_kv_heads
         q_BTJQW = q_BTHW.reshape(B, T, cfg.num_kv_heads, Q, cfg.head_dim)
-        scores_BJQTS = jnp.einsum("btjqw,bsjw->bjqts", q_BTJQW, k_BSJW, preferred_element_type=jnp.float32) * (
+        if kv is None:
+            keys, vals, key_pos_BS, k_slot_S, new_kv = k_BTJW, v_BTJW, positions_BT, q_slot_T, None
+            kv_axes = "bsjw"  # the axes of `keys` and `vals`
+        else:
+            k_BJSW, v_BJSW, key_pos_BS, index = kv
+            write = lambda cache_BJSW, x_BTJW: jax.lax.dynamic_update_slice_in_dim(
+                cache_BJSW, x_BTJW.transpose(0, 2, 1, 3).astype(cache_BJSW.dtype), index, axis=2
+            )
+            k_BJSW, v_BJSW = write(k_BJSW, k_BTJW), write(v_BJSW, v_BTJW)
+            keys, vals = k_BJSW.astype(dtype), v_BJSW.astype(dtype)
+            k_slot_S = jnp.arange(k_BJSW.shape[2], dtype=jnp.int32)
+            q_slot_T = q_slot_T + index
+            new_kv = (k_BJSW, v_BJSW)
+            kv_axes = "bjsw"
+        scores_BJQTS = jnp.einsum(f"btjqw,{kv_axes}->bjqts", q_BTJQW, keys, preferred_element_type=jnp.float32) * (
             cfg.head_dim**-0.5
         )
         mask_BTS = attention_mask(positions_BT, key_pos_BS, q_slot_T, k_slot_S)
@@ -330,7 +334,10 @@ class Attention(nnx.Module):
         # A query with no allowed key (padding) reads nothing, rather than an average of arbitrary
         # slots: its output then cannot depend on stale cache contents.
         probs_BJQTS = (probs_BJQTS * jnp.any(mask_BTS, axis=-1)[:, None, None, :, None]).astype(dtype)
-        out_BTJQW = jnp.einsum("bjqts,bsjw->btjqw", probs_BJQTS, v_BSJW)
+        if kv is None:
+            out_BTJQW = jnp.einsum("bjqts,bsjw->btjqw", probs_BJQTS, vals)
+        else:  # a plain batched [Q·T, S] x [S, W] matmul per (sequence, head), then the small output moved
+            out_BTJQW = jnp.einsum("bjqts,bjsw->bjqtw", probs_BJQTS, vals).transpose(0, 3, 1, 2, 4)
         out_BTHW = out_BTJQW.reshape(B, T, cfg.num_heads, cfg.head_dim)
         return jnp.einsum("bthw,hwd->btd", out_BTHW, self.o_proj[...].astype(dtype)), new_kv
 
@@ -422,15 +429,15 @@ class Transformer(nnx.Module):
         if cache is not None:
             index = cache.index.astype(jnp.int32)
             key_pos_BS = jax.lax.dynamic_update_slice(cache.positions, positions_BT, (jnp.zeros((), jnp.int32), index))
-            k_all, v_all = cache.k, cache.v
+            k_cache, v_cache = list(cache.k), list(cache.v)
         rope = rope_table(positions_BT, cfg.head_dim, cfg.rope_theta)
         stats = []
         for i, layer in enumerate(self.layers):
-            kv = None if cache is None else (k_all, v_all, key_pos_BS, index, i)
+            kv = None if cache is None else (k_cache[i], v_cache[i], key_pos_BS, index)
             forced = None if forced_topk is None or not layer.is_moe else forced_topk[:, len(stats)]
             x_BTD, new_kv, s = layer(x_BTD, positions_BT, rope, kv, forced)
             if cache is not None:
-                k_all, v_all = new_kv
+                k_cache[i], v_cache[i] = new_kv
             if s is not None:
                 stats.append(s)
         x_BTD = self.norm(x_BTD)
@@ -448,7 +455,7 @@ class Transformer(nnx.Module):
             lb_loss = z_loss = jnp.zeros((), jnp.float32)
         new_cache = None
         if cache is not None:
-            new_cache = KVCache(k=k_all, v=v_all, positions=key_pos_BS, index=index + T)
+            new_cache = KVCache(k=tuple(k_cache), v=tuple(v_cache), positions=key_pos_BS, index=index + T)
         aux = ModelAux(
             topk=topk_BLTK,
             router_logits=router_logits,

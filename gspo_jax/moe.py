@@ -145,6 +145,7 @@ class BlockLayout(NamedTuple):
     token_R: jax.Array  # int32 [R]: the token of each row (N on padding rows)
     expert_NB: jax.Array  # int32 [NB]: the expert of each block (clamped to E - 1 past the used ones)
     num_blocks: jax.Array  # int32 scalar: blocks in use
+    block_end_E: jax.Array  # int32 [E]: one past each expert's last block
 
 
 def block_layout(topk_NK: jax.Array, num_experts: int, b: int) -> BlockLayout:
@@ -166,7 +167,24 @@ def block_layout(topk_NK: jax.Array, num_experts: int, b: int) -> BlockLayout:
         token_R=token_R,
         expert_NB=jnp.minimum(expert_NB, E - 1).astype(jnp.int32),
         num_blocks=block_end_E[-1].astype(jnp.int32),
+        block_end_E=block_end_E.astype(jnp.int32),
     )
+
+
+# Up to this many experts, the block loop is one loop per expert with the expert's index static, so its
+# weights are loop-invariant (read in place, not copied out per block); past it, one loop reads each
+# block's expert (fewer loops to compile).
+STATIC_EXPERT_LOOPS = 16
+
+
+def _for_each_block(layout: BlockLayout, num_experts: int, body, carry):
+    """carry = body(i, e, carry) for every used block i, in order, e its expert."""
+    if num_experts <= STATIC_EXPERT_LOOPS:
+        for e in range(num_experts):
+            start = layout.block_end_E[e - 1] if e else 0
+            carry = jax.lax.fori_loop(start, layout.block_end_E[e], functools.partial(body, e=e), carry)
+        return carry
+    return jax.lax.fori_loop(0, layout.num_blocks, lambda i, c: body(i, c, e=layout.expert_NB[i]), carry)
 
 
 def _rows(x_RD, i, b):
@@ -187,9 +205,8 @@ def _swiglu_blocks(layout: BlockLayout, x_RD, w_gu_EDG, w_down_EFD, b: int, keep
     F = w_down_EFD.shape[1]
     dtype = x_RD.dtype
 
-    def body(i, carry):
+    def body(i, carry, e):
         y_RD, gu_RG = carry
-        e = layout.expert_NB[i]
         gu_bG = _dot(_rows(x_RD, i, b), w_gu_EDG[e]).astype(dtype)
         h_bF = jax.nn.silu(gu_bG[:, :F]) * gu_bG[:, F:]
         y_RD = _put_rows(y_RD, _dot(h_bF, w_down_EFD[e]), i, b)
@@ -197,7 +214,7 @@ def _swiglu_blocks(layout: BlockLayout, x_RD, w_gu_EDG, w_down_EFD, b: int, keep
 
     R, D = x_RD.shape
     gu_RG = jnp.zeros((R if keep_gu else 0, 2 * F), dtype)
-    return jax.lax.fori_loop(0, layout.num_blocks, body, (jnp.zeros((R, D), dtype), gu_RG))
+    return _for_each_block(layout, w_gu_EDG.shape[0], body, (jnp.zeros((R, D), dtype), gu_RG))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -229,9 +246,8 @@ def _sparse_experts_bwd(b, res, dy_ND):
     )
     dy_RD = (jnp.concatenate([dy_ND, jnp.zeros_like(dy_ND[:1])])[layout.token_R] * gate_R[:, None]).astype(dtype)
 
-    def body(i, carry):
+    def body(i, carry, e):
         dx_RD, dw_gu_EDG, dw_down_EFD = carry
-        e = layout.expert_NB[i]
         dy_bD, x_bD, gu_bG = _rows(dy_RD, i, b), _rows(x_RD, i, b), _rows(gu_RG, i, b).astype(jnp.float32)
         g_bF, u_bF = gu_bG[:, :F], gu_bG[:, F:]
         sig_bF = jax.nn.sigmoid(g_bF)
@@ -250,7 +266,7 @@ def _sparse_experts_bwd(b, res, dy_ND):
         jnp.zeros(w_gu_EDG.shape, jnp.float32),
         jnp.zeros(w_down_EFD.shape, jnp.float32),
     )
-    dx_RD, dw_gu_EDG, dw_down_EFD = jax.lax.fori_loop(0, layout.num_blocks, body, init)
+    dx_RD, dw_gu_EDG, dw_down_EFD = _for_each_block(layout, E, body, init)
     dx_ND = jnp.sum(dx_RD[layout.row_NK].astype(jnp.float32), axis=1).astype(dtype)
     dw_gate, dw_up = dw_gu_EDG[..., :F], dw_gu_EDG[..., F:]
     cast = lambda g, like: g.astype(like.dtype)

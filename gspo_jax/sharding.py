@@ -205,14 +205,14 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
 
 def cache_shardings(mesh: Mesh, cache, rules: Sequence[tuple[str, Any]] = RULES):
     """Shardings for a `model.KVCache`: batch over ("data","fsdp"), kv heads over "tensor"."""
-    kv = ("layers", "batch", "cache_seq", "kv_heads", "head_dim")
+    kv = ("batch", "kv_heads", "cache_seq", "head_dim")  # each layer's
 
     def ns(names, x):
         return NamedSharding(mesh, logical_to_spec(names, rules, x.shape, mesh))
 
     return type(cache)(
-        k=ns(kv, cache.k),
-        v=ns(kv, cache.v),
+        k=tuple(ns(kv, x) for x in cache.k),
+        v=tuple(ns(kv, x) for x in cache.v),
         positions=ns(("batch", "cache_seq"), cache.positions),
         index=NamedSharding(mesh, P()),
     )

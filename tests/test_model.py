@@ -363,13 +363,15 @@ class TestKVCache(chex.TestCase):
         assert int(cache.index) == P + steps
         np.testing.assert_array_equal(cache.positions[:, : P + steps], positions)
         assert (cache.positions[:, P + steps :] == -1).all()
-        assert cache.k.shape == (cfg.num_layers, B, S, cfg.num_kv_heads, cfg.head_dim)
+        assert len(cache.k) == len(cache.v) == cfg.num_layers
+        assert cache.k[0].shape == (B, cfg.num_kv_heads, S, cfg.head_dim)
 
 
 def test_cache_pytree_roundtrip():
-    cache = model_lib.init_cache(model_lib.get_config("tiny"), 2, 4)
+    cfg = model_lib.get_config("tiny")
+    cache = model_lib.init_cache(cfg, 2, 4)
     leaves, treedef = jax.tree.flatten(cache)
-    assert len(leaves) == 4
+    assert len(leaves) == 2 * cfg.num_layers + 2
     again = jax.tree.unflatten(treedef, leaves)
     assert isinstance(again, model_lib.KVCache) and again.index.dtype == jnp.int32
     assert (again.positions == -1).all()

@@ -128,8 +128,9 @@ def test_batch_and_cache_shardings():
     cache = jax.eval_shape(lambda: model_lib.init_cache(model_lib.get_config("tiny"), 4, 16))
     cs = sharding.cache_shardings(mesh, cache)
     assert isinstance(cs, model_lib.KVCache)
-    assert cs.k.spec == P(None, ("data", "fsdp"), None, "tensor", None)
+    assert len(cs.k) == len(cs.v) == model_lib.get_config("tiny").num_layers
+    assert all(x.spec == P(("data", "fsdp"), "tensor", None, None) for x in cs.k + cs.v)
     assert cs.positions.spec == P(("data", "fsdp"), None)
     assert cs.index.spec == P()
     placed = jax.device_put(model_lib.init_cache(model_lib.get_config("tiny"), 4, 16), cs)
-    assert placed.k.sharding.spec == cs.k.spec
+    assert all(x.sharding.spec == want.spec for x, want in zip(placed.k + placed.v, cs.k + cs.v))
