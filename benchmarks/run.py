@@ -9,11 +9,12 @@ Sections:
   train      train-step MFU: analytic useful FLOPs / measured time / peak, on the default config
              and on `bench` (width 512, 8 layers, 16 experts top-2)
   loss       forward + backward of `policy_loss` alone, as a share of the train step, per objective
-  moe        MoE dispatch paths (dense, ragged) against each other, forward + backward
+  moe        MoE dispatch paths (dense, ragged, sparse) against each other, forward + backward
   sampler    generated tokens/s, against the naive decoder, decode MFU, and against batch size
   iteration  one RL iteration of the `iteration` shape, split (rollout, log-probs, updates, drift,
-             evaluation, checkpoint + logging); and the compiles after warm-up and the time to the
-             first finished iteration
+             evaluation, checkpoint + logging), with drift on every sequence, every 4th, or off; the
+             compiles after warm-up and the time to the first finished iteration, cold and with the
+             persistent compilation cache filled by a previous run
 
 Useful FLOPs are analytic, never XLA's cost analysis (it counts a loop body once): a matmul of
 [m, k] × [k, n] is 2·m·k·n; a train step is 6 × (active matmul parameters) × tokens plus attention,
@@ -133,7 +134,7 @@ def train_step_time(c, repeats: int) -> tuple[float, int, int, model_lib.ModelCo
     state = [train.init_train_state(programs, params, 0)]
 
     def step():
-        state[0], m = programs.train_step(state[0], batch)
+        state[0], m, _ = programs.train_step(state[0], batch)
         return m
 
     return best_time(step, repeats), B, c.prompt_len + c.max_new_tokens, built.model
@@ -189,7 +190,11 @@ def moe_dispatch(size: str, repeats: int) -> dict:
             topk = topk.at[..., 1].set((topk[..., 0] + 1 + topk[..., 1] % (E - 1)) % E)  # distinct experts
             gates = jnp.full((1, N, 2), 0.5)
             row = dict(tokens=N, experts=E, top_k=2)
-            for name, fn in (("dense", moe.dense_experts), ("ragged", moe.ragged_experts)):
+            for name, fn in (
+                ("dense", moe.dense_experts),
+                ("ragged", moe.ragged_experts),
+                ("sparse", moe.sparse_experts),
+            ):
                 loss = functools.partial(_dispatch_loss, fn, topk, gates)
                 f = jax.jit(jax.value_and_grad(loss))
                 row[f"{name}_seconds"] = best_time(functools.partial(f, x, *w), repeats)
@@ -283,27 +288,46 @@ def iteration_config(size: str):
 SPLIT = ("rollout_seconds", "logprob_seconds", "update_seconds", "drift_seconds")
 
 
+def _run_iterations(c, cache_dir: str | None = None) -> tuple[list[dict], float]:
+    """Runs config `c` in a fresh workdir with cold in-memory jit caches (as a new process has), and
+    `cache_dir` as the persistent compilation cache; returns its metrics rows and its start time."""
+    jax.config.update("jax_compilation_cache_dir", cache_dir)
+    with tempfile.TemporaryDirectory() as workdir:
+        jax.clear_caches()
+        t0 = time.time()
+        train.train_and_evaluate(c, workdir, progress=False)
+        rows = [json.loads(x) for x in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+    jax.config.update("jax_compilation_cache_dir", None)
+    return rows, t0
+
+
 def iteration(size: str, repeats: int) -> dict:
     del repeats
     out = {}
-    for drift in (True, False):
+    for drift, subsample in ((True, 1), (True, 4), (False, 1)):
         c = iteration_config(size)
-        c.train.drift_metrics = drift
-        with tempfile.TemporaryDirectory() as workdir:
-            jax.clear_caches()  # the time to a first iteration includes its compiles, as in a new process
-            t0 = time.time()
-            train.train_and_evaluate(c, workdir, progress=False)
-            rows = [json.loads(x) for x in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
+        c.train.update(drift_metrics=drift, drift_subsample=subsample)
+        rows, t0 = _run_iterations(c)
         warm = [r for r in rows if 2 <= r["step"] <= 5]  # iterations 2..5: compiled, not the last (it evaluates)
         wall = [b["time"] - a["time"] for a, b in zip(rows[1:], rows[2:]) if 2 <= b["step"] <= 5]
         split = {k: float(np.mean([r[k] for r in warm])) for k in SPLIT}
         split["other_seconds"] = float(np.mean(wall)) - sum(split.values())  # checkpoint, logging, host work
-        out["drift_on" if drift else "drift_off"] = dict(
+        name = "drift_off" if not drift else "drift_on" if subsample == 1 else f"drift_every_{subsample}th"
+        out[name] = dict(
             seconds=float(np.mean(wall)),
             split=split,
             compiles_after_warmup=int(sum(r["xla_compiles"] for r in warm)),
             seconds_to_first_iteration=rows[1]["time"] - t0,
         )
+    # A rerun (or the next run of a sweep) with the persistent compilation cache that scripts/train.py
+    # keeps: the first run fills it, the second loads from it.
+    c = iteration_config(size)
+    c.train.num_iterations = 1
+    with tempfile.TemporaryDirectory() as cache_dir:
+        firsts = [(lambda r: r[0][1]["time"] - r[1])(_run_iterations(c, cache_dir)) for _ in range(2)]
+    out["compilation_cache"] = dict(
+        seconds_to_first_iteration_cold=firsts[0], seconds_to_first_iteration_warm=firsts[1]
+    )
     return out
 
 
@@ -332,9 +356,11 @@ def main():
     if "moe" in sections:
         results["moe"] = moe_dispatch(args.size, repeats)
         for r in results["moe"]["rows"]:
-            ratio = r["ragged_seconds"] / r["dense_seconds"]
-            dense_ms = r["dense_seconds"] * 1e3
-            print(f"moe N={r['tokens']} E={r['experts']}: dense {dense_ms:.2f} ms, ragged/dense {ratio:.2f}")
+            dense_ms, dense = r["dense_seconds"] * 1e3, r["dense_seconds"]
+            print(
+                f"moe N={r['tokens']} E={r['experts']}: dense {dense_ms:.2f} ms, ragged/dense "
+                f"{r['ragged_seconds'] / dense:.2f}, sparse/dense {r['sparse_seconds'] / dense:.2f}"
+            )
     if "sampler" in sections:
         results["sampler"] = s = sampler_throughput(args.size, repeats, flops)
         print(
@@ -344,12 +370,18 @@ def main():
         )
     if "iteration" in sections:
         results["iteration"] = it = iteration(args.size, repeats)
+        cache = it.pop("compilation_cache")
         for name, r in it.items():
             parts = ", ".join(f"{k.removesuffix('_seconds')} {v:.2f}" for k, v in r["split"].items())
             print(
                 f"iteration [{name}]: {r['seconds']:.2f} s ({parts}); compiles after warm-up "
                 f"{r['compiles_after_warmup']}, first iteration after {r['seconds_to_first_iteration']:.1f} s"
             )
+        it["compilation_cache"] = cache
+        print(
+            f"first iteration with a persistent compilation cache (1 iteration + final evaluation): cold "
+            f"{cache['seconds_to_first_iteration_cold']:.1f} s, warm {cache['seconds_to_first_iteration_warm']:.1f} s"
+        )
     Path(args.out).write_text(json.dumps(results, indent=2, default=float))
     print(f"wrote {args.out}")
 

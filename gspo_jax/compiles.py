@@ -1,6 +1,9 @@
 """Counts XLA backend compiles in this process (jax.monitoring events): how the trainer logs, and the
 tests assert, that every jitted function compiles once. (`jitted._cache_size()` is not reliable for
-this: it reads a global LRU shared with every other jitted function and eager op.)"""
+this: it reads a global LRU shared with every other jitted function and eager op.) And keeps compiled
+programs across processes (`use_persistent_cache`), so reruns and sweeps do not pay compilation again."""
+
+from pathlib import Path
 
 import jax
 
@@ -33,3 +36,13 @@ class CompileCounter:
     @property
     def count(self) -> int:
         return total() - self._start
+
+
+def use_persistent_cache(directory: str | Path) -> None:
+    """Keeps every compiled program in `directory` (JAX's persistent compilation cache): a resumed run,
+    or the next run of a sweep with the same shapes, loads its programs instead of compiling them.
+    Entries are keyed by the program, the JAX/XLA version and the flags, so a stale one is never used."""
+    Path(directory).mkdir(parents=True, exist_ok=True)
+    jax.config.update("jax_compilation_cache_dir", str(directory))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

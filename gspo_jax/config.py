@@ -86,6 +86,7 @@ def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigD
             old_logp_source="trainer",
             routing_replay="none",
             drift_metrics=True,
+            drift_subsample=1,  # measure drift on every n-th sequence of the batch (1: all)
             eval_every=10,
             eval_batches=4,
             checkpoint_every=10,
@@ -172,7 +173,16 @@ def build(c: ml_collections.ConfigDict) -> Built:
     t, w = c.train, c.warm_start
     for key in ("prompt_len", "max_new_tokens"):
         check_int("config", key, c[key])
-    for key in ("num_iterations", "epochs", "minibatches", "microbatches", "eval_every", "checkpoint_every"):
+    keys = (
+        "num_iterations",
+        "epochs",
+        "minibatches",
+        "microbatches",
+        "drift_subsample",
+        "eval_every",
+        "checkpoint_every",
+    )
+    for key in keys:
         check_int("config", f"train.{key}", t[key])
     check_int("config", "train.keep_checkpoints", t.keep_checkpoints)
     check_int("config", "train.eval_batches", t.eval_batches)
@@ -187,6 +197,13 @@ def build(c: ml_collections.ConfigDict) -> Built:
         t.minibatches,
         f"num_groups×group_size={batch} must be divisible by minibatches×microbatches",
     )
+    check(
+        batch % t.drift_subsample == 0,
+        "config",
+        "train.drift_subsample",
+        t.drift_subsample,
+        f"a divisor of num_groups×group_size={batch}",
+    )
     if w.cache_dir:  # created on first use: it, or its parent, must be a directory already
         d = Path(w.cache_dir)
         ok = d.is_dir() or (not d.exists() and d.parent.is_dir())
@@ -194,7 +211,13 @@ def build(c: ml_collections.ConfigDict) -> Built:
     check_int("config", "warm_start.steps", w.steps, low=0)
     check_int("config", "warm_start.batch_size", w.batch_size)
     OptimizerConfig.from_config(w, "config.warm_start")
-    _check_mesh(c.mesh, batch=batch, minibatch=batch // t.minibatches, warm_start_batch=w.batch_size)
+    _check_mesh(
+        c.mesh,
+        batch=batch,
+        minibatch=batch // t.minibatches,
+        drift_batch=batch // t.drift_subsample,
+        warm_start_batch=w.batch_size,
+    )
     tokenizer = load_tokenizer(c.tokenizer_path or None)
     bos = 0 if tokenizer.bos_token_id is None else 1
     longest = bos + task.max_prompt_tokens(lambda text: tokenizer.encode(text, add_special_tokens=False))
@@ -223,7 +246,9 @@ def build(c: ml_collections.ConfigDict) -> Built:
     return Built(model=model_cfg, loss=loss_cfg, rollout=rollout_cfg, task=task)
 
 
-def _check_mesh(mesh: ml_collections.ConfigDict, *, batch: int, minibatch: int, warm_start_batch: int) -> None:
+def _check_mesh(
+    mesh: ml_collections.ConfigDict, *, batch: int, minibatch: int, drift_batch: int, warm_start_batch: int
+) -> None:
     """Axis sizes against the devices present, and the data axes against every batch they split."""
     sizes = {k: mesh[k] for k in ("data", "fsdp", "expert", "tensor")}
     for k, v in sizes.items():
@@ -243,6 +268,7 @@ def _check_mesh(mesh: ml_collections.ConfigDict, *, batch: int, minibatch: int, 
     for what, size in (
         ("num_groups×group_size", batch),
         ("the minibatch", minibatch),
+        ("the drift batch (train.drift_subsample)", drift_batch),
         ("warm_start.batch_size", warm_start_batch),
     ):
         check(size % data == 0, "config", "mesh", dict(sizes), f"data×fsdp={data} must divide {what}={size}")

@@ -82,36 +82,60 @@ class StepConfig:
     temperature: float  # log-probs are scored at the sampling temperature
     replay: bool  # route with the batch's top-k (R2 / R3) instead of the live router
     microbatches: int
+    # The update is the only one on its batch and starts at π_old (`shares_old_forward`): its own
+    # forward gives π_old's log-probs and routing (old_logp = stop_gradient(logp), exactly ratio 1),
+    # and the step returns them, so the batch needs no separate scoring forward.
+    on_policy: bool = False
 
 
-def train_step(static: StepConfig, state: TrainState, batch: TrainBatch) -> tuple[TrainState, dict[str, Any]]:
+def shares_old_forward(train_cfg) -> bool:
+    """Whether π_old's log-probs can come from the update's own forward instead of a scoring pass:
+    one update per batch (epochs = minibatches = 1), recomputed by the trainer, with the live routing
+    (R2 replays π_old's own routing, which the forward at π_old chooses anyway; R3 replays the
+    sampler's, which differs)."""
+    t = train_cfg
+    return t.epochs * t.minibatches == 1 and t.old_logp_source == "trainer" and t.routing_replay != "R3"
+
+
+class Scored(NamedTuple):
+    """An on-policy update's forward at π_old: the batch's π_old log-probs and routing."""
+
+    logp: Array  # float32 [B, T]
+    topk: Array  # int32 [B, L, T, K]
+
+
+def train_step(
+    static: StepConfig, state: TrainState, batch: TrainBatch
+) -> tuple[TrainState, dict[str, Any], Scored | None]:
     """One optimizer update on one minibatch, accumulated over `microbatches` with the minibatch's
     loss denominator, so the policy loss and its gradient equal the full minibatch's (the MoE load-
     balancing and z losses are batch statistics, computed per micro-batch as everywhere). A non-finite
     loss or gradient leaves the state untouched and is counted in `skipped`. Metrics are per update
-    (`metrics.per_update`)."""
+    (`metrics.per_update`). With `static.on_policy`, `batch.old_logp` and `batch.topk` are not read:
+    the forward provides them, and they come back as `Scored`."""
     cfg, M = static.loss, static.microbatches
     tx = optimizer_lib.make_optimizer(static.optimizer, static.total_steps)
     denom = losses.loss_denominator(cfg, batch.loss_mask)
     micro = jax.tree.map(lambda x: x.reshape(M, x.shape[0] // M, *x.shape[1:]), batch)
 
     def loss_fn(params, mb: TrainBatch):
-        forced = mb.topk if static.replay else None
+        forced = mb.topk if static.replay and not static.on_policy else None
         logits_BTV, aux = model_lib.apply(static.graphdef, params, mb.tokens, mb.positions, forced_topk=forced)
         logp_BT = losses.sequence_logprobs(logits_BTV, mb.tokens, static.temperature)
+        old_BT = jax.lax.stop_gradient(logp_BT) if static.on_policy else mb.old_logp
         ref_BT = mb.ref_logp if cfg.kl_coef > 0 else None
-        loss, metrics = losses.policy_loss(
-            cfg, logp_BT, mb.old_logp, mb.advantages, mb.loss_mask, ref_BT, denominator=denom
-        )
+        loss, metrics = losses.policy_loss(cfg, logp_BT, old_BT, mb.advantages, mb.loss_mask, ref_BT, denominator=denom)
         total = loss + aux.aux_loss / M
         metrics.update(lb_loss=Mean(aux.lb_loss, 1), z_loss=Mean(aux.z_loss, 1), total_loss=Sum(total))
-        return total, metrics
+        return total, (metrics, Scored(old_BT, aux.topk))
 
     def accumulate(grads, mb):
-        (_, metrics), g = jax.value_and_grad(loss_fn, has_aux=True)(state.params, mb)
-        return jax.tree.map(jnp.add, grads, g), metrics
+        (_, (metrics, scored)), g = jax.value_and_grad(loss_fn, has_aux=True)(state.params, mb)
+        return jax.tree.map(jnp.add, grads, g), (metrics, scored if static.on_policy else None)
 
-    grads, stacked = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, state.params), micro)
+    grads, (stacked, scored) = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, state.params), micro)
+    if scored is not None:
+        scored = jax.tree.map(lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]), scored)
     metrics = metrics_lib.reduce(stacked)
     grad_norm = optax.global_norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -127,7 +151,7 @@ def train_step(static: StepConfig, state: TrainState, batch: TrainBatch) -> tupl
         opt_state=keep(opt_state, state.opt_state),
     )
     metrics.update(grad_norm=Mean(grad_norm, 1), skipped=Count((~ok).astype(jnp.float32)))
-    return state, metrics_lib.per_update(metrics)
+    return state, metrics_lib.per_update(metrics), scored
 
 
 # ---------------------------------------------------------------------------------------------- setup
@@ -136,9 +160,10 @@ def train_step(static: StepConfig, state: TrainState, batch: TrainBatch) -> tupl
 class Programs(NamedTuple):
     """A run's jitted functions, with explicit shardings over its mesh."""
 
-    train_step: Any  # (state, minibatch) -> (state, metrics); state donated
+    train_step: Any  # (state, minibatch) -> (state, metrics, Scored | None); state donated
     score: Any  # (params, tokens, positions) -> (logp [B, T], topk [B, L, T, K])
     drift: Any  # (params, batch) -> drift metrics (routing.measure_drift)
+    on_policy: bool  # π_old's log-probs come from the update's forward (`shares_old_forward`)
     optimizer: optax.GradientTransformation
     state_shardings: TrainState
     batch_shardings: TrainBatch
@@ -186,6 +211,7 @@ def compile_programs(config, built: config_lib.Built, graphdef, params, mesh) ->
         temperature=temperature,
         replay=t.routing_replay != "none",
         microbatches=t.microbatches,
+        on_policy=shares_old_forward(t),
     )
     # Module-level functions with their static arguments marked, not closures: equal configs (a run
     # resumed in the same process) reuse the compilation.
@@ -193,7 +219,7 @@ def compile_programs(config, built: config_lib.Built, graphdef, params, mesh) ->
         train_step,
         static_argnums=0,
         in_shardings=(state_sh, batch_sh),
-        out_shardings=(state_sh, None),
+        out_shardings=(state_sh, None, Scored(b2, bs(4)) if static.on_policy else None),
         donate_argnums=1,
     )
     score = jax.jit(model_lib.score, static_argnums=(0, 1), in_shardings=(param_sh, b2, b2), out_shardings=(b2, bs(4)))
@@ -202,6 +228,7 @@ def compile_programs(config, built: config_lib.Built, graphdef, params, mesh) ->
         train_step=functools.partial(step, static),
         score=functools.partial(score, graphdef, temperature),
         drift=functools.partial(drift, graphdef, temperature),
+        on_policy=static.on_policy,
         optimizer=tx,
         state_shardings=state_sh,
         batch_shardings=batch_sh,
@@ -242,8 +269,13 @@ def rl_iteration(
         for m in range(num_mb):
             idx = perm[m * mb_size : (m + 1) * mb_size]
             mb = jax.device_put(jax.tree.map(lambda x, i=idx: x[i], full), programs.batch_shardings)
-            state, step = programs.train_step(state, mb)
+            state, step, scored = programs.train_step(state, mb)
             step_metrics.append(step)
+            if scored is not None:  # the only update: its forward scored π_old, in the minibatch's order
+                inv = np.argsort(idx)
+                full = full.replace(old_logp=scored.logp[inv], topk=scored.topk[inv])
+    if programs.on_policy:
+        metrics["old_logp_max_diff"] = old_logp_max_diff(full.old_logp, batch)
     host = [jax.tree.map(float, s) for s in jax.device_get(step_metrics)]  # float64 from here
     metrics.update(metrics_lib.compute(functools.reduce(metrics_lib.merge, host)))
     t_updates = time.perf_counter() - t0 - t_rollout - t_logprobs  # synchronised: metrics are on the host
@@ -256,7 +288,8 @@ def rl_iteration(
         )
     t_drift = time.perf_counter()
     if t.drift_metrics:
-        metrics.update(drift_to_log(programs.drift(state.params, full)))
+        sub = full if t.drift_subsample == 1 else jax.tree.map(lambda x: x[:: t.drift_subsample], full)
+        metrics.update(drift_to_log(programs.drift(state.params, jax.device_put(sub, programs.batch_shardings))))
     metrics.update(
         rollout_seconds=t_rollout,
         logprob_seconds=t_logprobs,
@@ -267,17 +300,28 @@ def rl_iteration(
     return state, metrics
 
 
+def old_logp_max_diff(old_logp_BT, batch) -> float:
+    """The largest |trainer − sampler| log-prob difference on completion tokens (0 without any)."""
+    diff = np.abs(np.asarray(old_logp_BT) - batch.old_logp)[np.asarray(batch.completion_mask)]
+    return float(diff.max()) if diff.size else 0.0
+
+
 def prepare_batch(programs: Programs, params, batch, old_logp_source, replay, ref_params, metrics) -> TrainBatch:
     """The rollout on the mesh: π_old's log-probs from `old_logp_source`, π_old's routing from the
     sampler (R3) or the trainer (R2, none), π_ref's log-probs when there is a reference. Logs
-    `old_logp_max_diff` (trainer vs sampler log-probs) into `metrics`."""
+    `old_logp_max_diff` (trainer vs sampler log-probs) into `metrics`. With `programs.on_policy` the
+    trainer's log-probs and routing are left for the update's own forward to fill in."""
     positions = model_lib.positions_from_mask(jnp.asarray(batch.prompt_mask) | jnp.asarray(batch.completion_mask))
     b2 = programs.batch_shardings.tokens
     tokens, positions = jax.device_put((batch.tokens, positions), b2)
-    logp_trainer, topk_trainer = programs.score(params, tokens, positions)
-    diff = np.abs(np.asarray(logp_trainer) - batch.old_logp)[np.asarray(batch.completion_mask)]
-    metrics["old_logp_max_diff"] = float(diff.max()) if diff.size else 0.0
-    old_logp = logp_trainer if old_logp_source == "trainer" else jnp.asarray(batch.old_logp)
+    sampler_logp = jnp.asarray(batch.old_logp)
+    if programs.on_policy:
+        old_logp, topk = sampler_logp, jnp.asarray(batch.topk)  # placeholders, replaced by the update
+    else:
+        logp_trainer, topk_trainer = programs.score(params, tokens, positions)
+        metrics["old_logp_max_diff"] = old_logp_max_diff(logp_trainer, batch)
+        old_logp = logp_trainer if old_logp_source == "trainer" else sampler_logp
+        topk = jnp.asarray(batch.topk) if replay == "R3" else topk_trainer  # R2 and none: the trainer's
     ref_logp = jnp.zeros_like(old_logp) if ref_params is None else programs.score(ref_params, tokens, positions)[0]
     full = TrainBatch(
         tokens=tokens,
@@ -287,7 +331,7 @@ def prepare_batch(programs: Programs, params, batch, old_logp_source, replay, re
         old_logp=old_logp,
         ref_logp=ref_logp,
         advantages=jnp.asarray(batch.advantages),
-        topk=jnp.asarray(batch.topk) if replay == "R3" else topk_trainer,  # R2 and none: the trainer's
+        topk=topk,
     )
     return jax.device_put(full, programs.batch_shardings)
 

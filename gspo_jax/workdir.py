@@ -34,6 +34,7 @@ RESUMABLE_KEYS = (
     "train.eval_batches",
     "train.checkpoint_every",
     "train.keep_checkpoints",
+    "train.drift_subsample",  # what drift is measured on, not what trains
     "warm_start.cache_dir",
 )
 

@@ -27,6 +27,7 @@ from absl import logging as absl_logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from gspo_jax import config as config_lib  # noqa: E402
+from gspo_jax.compiles import use_persistent_cache  # noqa: E402
 from gspo_jax.train import StoppedEarly, train_and_evaluate  # noqa: E402
 from gspo_jax.workdir import WorkdirBusy  # noqa: E402
 
@@ -35,6 +36,12 @@ EXIT_REFUSED, EXIT_STOPPED, EXIT_INTERRUPTED = 2, 75, 130  # 75: EX_TEMPFAIL, "t
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A configs/<algorithm>.py[:size] file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics.jsonl, TensorBoard and plots go.")
 _PROGRESS = flags.DEFINE_boolean("progress", True, "Show a progress bar.")
+_COMPILATION_CACHE = flags.DEFINE_string(
+    "compilation_cache",
+    str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gspo_jax" / "xla"),
+    "Keep compiled programs here, so a rerun or the next run of a sweep loads them instead of compiling "
+    "(JAX's persistent compilation cache); '' turns it off.",
+)
 _ALLOW_CONFIG_CHANGE = flags.DEFINE_boolean(
     "allow_config_change", False, "Continue a workdir with a config that differs from the one it was started with."
 )
@@ -73,6 +80,11 @@ def main(argv):
         config_lib.build(_CONFIG.value)  # every check, before any work
     except ValueError as e:
         refuse(str(e))
+    if _COMPILATION_CACHE.value:
+        try:
+            use_persistent_cache(_COMPILATION_CACHE.value)
+        except OSError as e:
+            refuse(f"--compilation_cache={_COMPILATION_CACHE.value!r} cannot be used: {e.strerror}")
     absl_logging.set_verbosity(absl_logging.INFO)
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save step at INFO
     try:

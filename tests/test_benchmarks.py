@@ -33,12 +33,15 @@ def test_runner_produces_every_figure(tmp_path):
     assert len(res["loss"]["by_objective"]) == 8
     assert all(positive(v["share_of_train_step"]) for v in res["loss"]["by_objective"].values())
     assert res["moe"]["rows"] and all(
-        positive(r["dense_seconds"]) and positive(r["ragged_seconds"]) for r in res["moe"]["rows"]
+        positive(r[f"{path}_seconds"]) for r in res["moe"]["rows"] for path in ("dense", "ragged", "sparse")
     )
     s = res["sampler"]
     assert positive(s["tokens_per_s"]) and positive(s["speedup_vs_naive"]) and positive(s["decode_mfu"])
     assert [r["batch"] for r in s["by_batch"]] == [8, 16]
-    for name in ("drift_on", "drift_off"):
+    cache = res["iteration"].pop("compilation_cache")
+    assert positive(cache["seconds_to_first_iteration_cold"]) and positive(cache["seconds_to_first_iteration_warm"])
+    assert set(res["iteration"]) == {"drift_on", "drift_every_4th", "drift_off"}
+    for name in ("drift_on", "drift_every_4th", "drift_off"):
         it = res["iteration"][name]
         assert positive(it["seconds"]) and positive(it["seconds_to_first_iteration"])
         assert set(it["split"]) == {

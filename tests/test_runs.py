@@ -69,6 +69,8 @@ def rows(path: Path) -> list[int]:
         ("hf_checkpoint", "/no/such/checkpoint", "hf_checkpoint"),
         ("warm_start.cache_dir", "/no/such/parent/cache", "cache_dir"),
         ("task.digits", 0, "digits"),
+        ("train.drift_subsample", 3, "drift_subsample"),  # not a divisor of the batch of 8
+        ("train.drift_subsample", 0, "drift_subsample"),
     ],
 )
 def test_values_that_cannot_work_are_refused_at_build_naming_the_key(key, value, field):
@@ -87,6 +89,9 @@ def test_mesh_data_axes_must_divide_every_batch():
         build(c)
     c.mesh.update(data=4, fsdp=1)
     build(c)
+    c.train.drift_subsample = 4  # a drift batch of 2 cannot be split over 4
+    with pytest.raises(ConfigError, match=r"must divide the drift batch \(train.drift_subsample\)=2"):
+        build(c)
 
 
 # ------------------------------------------------------------------ the CLI: one line, workdir untouched
@@ -230,7 +235,7 @@ def test_an_update_that_would_make_parameters_non_finite_is_skipped():
     state = train.init_train_state(programs, params, 0)
     for _ in range(3):  # the schedule's first step has lr 0; a later one overflows
         before = jax.tree.map(np.asarray, state)
-        state, m = programs.train_step(state, jax.device_put(batch, programs.batch_shardings))
+        state, m, _ = programs.train_step(state, jax.device_put(batch, programs.batch_shardings))
         assert np.isfinite(float(m["total_loss"].compute())) and np.isfinite(float(m["grad_norm"].compute()))
         if float(m["skipped"].compute()):
             chex.assert_trees_all_equal(jax.tree.map(np.asarray, state), before)

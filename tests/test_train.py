@@ -83,8 +83,8 @@ def test_sharded_train_step_equals_single_device(algorithm):
     sharded = Setup(tiny(algorithm, data=2, expert=2, tensor=2))
     assert sharded.mesh.devices.size == 8
     batch = minibatch(single)
-    s1, m1 = single.step(batch)
-    s2, m2 = sharded.step(batch)
+    s1, m1, _ = single.step(batch)
+    s2, m2, _ = sharded.step(batch)
     m1, m2 = values(m1), values(m2)
     for k in ("loss", "total_loss", "grad_norm", "clip_frac"):
         np.testing.assert_allclose(m1[k], m2[k], rtol=1e-5, atol=1e-7, err_msg=k)
@@ -105,11 +105,55 @@ def test_microbatches_give_the_same_update(algorithm):
     c2.train.microbatches = 2
     two = Setup(c2)
     batch = minibatch(one, seed=1)
-    s1, m1 = one.step(batch)
-    s2, m2 = two.step(batch)
+    s1, m1, _ = one.step(batch)
+    s2, m2, _ = two.step(batch)
     m1, m2 = values(m1), values(m2)
     for k in ("total_loss", "loss", "policy_loss", "kl_loss", "grad_norm", "clip_frac", "approx_kl", "num_tokens"):
         np.testing.assert_allclose(m1[k], m2[k], rtol=1e-5, atol=1e-8, err_msg=k)
+    chex.assert_trees_all_close(s1.params, s2.params, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "epochs, minibatches, source, replay, shared",
+    [
+        (1, 1, "trainer", "none", True),
+        (1, 1, "trainer", "R2", True),  # R2 replays the routing the forward at π_old chooses anyway
+        (1, 1, "trainer", "R3", False),  # the sampler's routing differs: π_old is scored as before
+        (1, 1, "sampler", "none", False),
+        (2, 1, "trainer", "none", False),
+        (1, 2, "trainer", "none", False),
+    ],
+)
+def test_which_runs_share_the_old_forward(epochs, minibatches, source, replay, shared):
+    c = tiny()
+    c.train.update(epochs=epochs, minibatches=minibatches, old_logp_source=source, routing_replay=replay)
+    assert train.shares_old_forward(c.train) is shared
+
+
+@pytest.mark.parametrize("algorithm, microbatches", [("gspo", 1), ("grpo", 2)])
+def test_on_policy_step_equals_the_step_on_a_scored_batch(algorithm, microbatches):
+    """With one update per batch, the update's own forward at π_old gives π_old's log-probs and routing:
+    the step, its metrics and what it returns equal scoring first and stepping on the scored batch."""
+    c = tiny(algorithm)
+    c.train.update(minibatches=1, microbatches=microbatches)
+    shared = Setup(c)
+    assert shared.programs.on_policy
+    c2 = tiny(algorithm)
+    c2.train.update(minibatches=1, microbatches=microbatches, old_logp_source="sampler")
+    scored_first = Setup(c2)
+    assert not scored_first.programs.on_policy
+    batch = minibatch(shared, seed=3)
+    logp, topk = shared.programs.score(shared.params, batch.tokens, batch.positions)
+    junk = batch.replace(old_logp=batch.old_logp + 5.0, topk=(batch.topk + 1) % 8)  # never read
+    s1, m1, scored = shared.step(junk)
+    s2, m2, none = scored_first.step(batch.replace(old_logp=logp, topk=topk))
+    assert none is None
+    np.testing.assert_allclose(scored.logp, logp, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(scored.topk, topk)
+    m1, m2 = values(m1), values(m2)
+    assert m1["clip_frac"] == 0.0 and m1["approx_kl"] == 0.0  # ratios exactly 1
+    for k in ("total_loss", "loss", "grad_norm", "clip_frac", "approx_kl"):
+        np.testing.assert_allclose(m1[k], m2[k], rtol=1e-5, atol=1e-7, err_msg=k)
     chex.assert_trees_all_close(s1.params, s2.params, rtol=1e-5, atol=1e-6)
 
 
@@ -119,7 +163,7 @@ def test_non_finite_loss_skips_the_update():
     batch = batch.replace(advantages=batch.advantages.at[0].set(jnp.nan))
     state = s.state()
     before = jax.tree.map(np.asarray, state)
-    new, m = s.programs.train_step(state, jax.device_put(batch, s.programs.batch_shardings))
+    new, m, _ = s.programs.train_step(state, jax.device_put(batch, s.programs.batch_shardings))
     assert float(m["skipped"].compute()) == 1.0 and int(new.step) == 0
     chex.assert_trees_all_equal(jax.tree.map(np.asarray, new), before)
 
@@ -190,6 +234,39 @@ def test_tiny_end_to_end_compiles_once_checkpoints_and_resumes_bitwise(tmp_path,
         assert resumed[s]["loss"] == last[s]["loss"] and resumed[s]["reward_mean"] == last[s]["reward_mean"]
     assert any((tmp_path / "full" / "checkpoints").iterdir())
     assert list((tmp_path / "full").glob("*.png")) or list((tmp_path / "full").glob("plots/*.png"))
+
+
+@pytest.mark.slow
+def test_one_update_per_batch_shares_the_old_forward_and_subsamples_drift(tmp_path):
+    """One update per batch: π_old comes from the update's own forward (no scoring pass, so
+    logprob_seconds is ~0), and its first iteration matches the run that takes π_old from the sampler
+    (the same model: log-probs equal to float rounding). Drift on every 2nd sequence is finite."""
+    rows = {}
+    for source in ("trainer", "sampler"):
+        c = tiny("gspo")
+        c.train.update(minibatches=1, num_iterations=1, old_logp_source=source, drift_subsample=2)
+        train.train_and_evaluate(c, tmp_path / source, progress=False)
+        rows[source] = _metrics(tmp_path / source)[1]
+    shared, sampler = rows["trainer"], rows["sampler"]
+    assert shared["reward_mean"] == sampler["reward_mean"]  # the same rollout
+    assert shared["old_logp_max_diff"] < 1e-4 and shared["clip_frac"] == 0.0
+    for k in ("loss", "grad_norm"):
+        np.testing.assert_allclose(shared[k], sampler[k], rtol=1e-4, atol=1e-7, err_msg=k)
+    for k in ("drift_slot_change_rate", "drift_router_flip_rate", "drift_jaccard", "drift_logratio_routing_share"):
+        assert 0.0 <= shared[k] <= 1.0, (k, shared[k])
+
+
+@pytest.mark.slow
+def test_cli_keeps_compiled_programs_in_the_compilation_cache(tmp_path):
+    cache = tmp_path / "xla"
+    args = ("--config", "configs/gspo.py:tiny", "--config.train.num_iterations=1", "--noprogress")
+    r = run_cli(*args, "--workdir", str(tmp_path / "a"), f"--compilation_cache={cache}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    entries = set(cache.iterdir())
+    assert len(entries) > 5  # the train step, sampler, drift ... and the eager ops they run
+    r = run_cli(*args, "--workdir", str(tmp_path / "b"), f"--compilation_cache={cache}")
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert set(cache.iterdir()) == entries  # the same programs: every one was loaded, none compiled anew
 
 
 def run_cli(*args, cwd=ROOT):
