@@ -130,7 +130,7 @@ def test_which_runs_share_the_old_forward(epochs, minibatches, source, replay, s
     assert train.shares_old_forward(c.train) is shared
 
 
-@pytest.mark.parametrize("algorithm, microbatches", [("gspo", 1), ("grpo", 2)])
+@pytest.mark.parametrize("algorithm, microbatches", [("gspo", 2)])  # sequence ratios, stacked micro-batches
 def test_on_policy_step_equals_the_step_on_a_scored_batch(algorithm, microbatches):
     """With one update per batch, the update's own forward at π_old gives π_old's log-probs and routing:
     the step, its metrics and what it returns equal scoring first and stepping on the scored batch."""
