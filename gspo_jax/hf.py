@@ -55,7 +55,9 @@ DEFAULT_MAX_SHARD_BYTES = 5 * 10**9  # transformers' default "5GB"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
 _ROPE_THETA_DEFAULT = {"qwen3_moe": 10_000.0, "mixtral": 1_000_000.0}  # transformers 5 defaults
 
-ParamPath = tuple[str | int, ...]  # a parameter's path in the NNX state, e.g. ("layers", 0, "mlp", "router")
+# A parameter's path: in the NNX state, e.g. ("stacks", 1, "layer", "mlp", "router") for a run of stacked
+# layers; per layer, as HF checkpoints name them, e.g. ("layers", 0, "mlp", "router") (`model.stacked_to_layers`).
+ParamPath = tuple[str | int, ...]
 
 
 # ---------------------------------------------------------------------------- config
@@ -494,7 +496,7 @@ def load_hf_checkpoint(
     cfg = config_from_hf(hf, **overrides)
     with contextlib.ExitStack() as stack:
         handles = [stack.enter_context(safe_open(f, framework="numpy")) for f in _safetensors_files(directory)]
-        params = hf_to_params(_LazyTensors(handles), cfg, hf["model_type"])
+        params = model_lib.layers_to_stacked(cfg, hf_to_params(_LazyTensors(handles), cfg, hf["model_type"]))
     graphdef, state = params_to_state(cfg, params, mesh)
     return cfg, graphdef, state
 
@@ -516,7 +518,7 @@ def save_hf_checkpoint(
     """
     directory = os.fspath(directory)
     hf = config_to_hf(cfg, model_type, extra=extra_config)
-    tensors = params_to_hf(state_to_params(state), cfg, model_type)
+    tensors = params_to_hf(model_lib.stacked_to_layers(cfg, state_to_params(state)), cfg, model_type)
     os.makedirs(directory, exist_ok=True)
     for stale in [SAFETENSORS_INDEX] + [f for f in os.listdir(directory) if f.endswith(".safetensors")]:
         if os.path.exists(os.path.join(directory, stale)):

@@ -1,7 +1,10 @@
 """Decoder-only transformer policy (Flax NNX), dense or sparse-MoE feed-forward per layer.
 
 Qwen3-MoE / Mixtral shaped: RMSNorm, RoPE (HF rotate_half), grouped-query attention
-with optional per-head q/k RMSNorm, SwiGLU FFN or `moe.MoE`, KV cache. Used
+with optional per-head q/k RMSNorm, SwiGLU FFN or `moe.MoE`, KV cache. Each run of consecutive
+layers of one kind is a `Stack`: parameters stacked on a leading "layers" axis and run by `lax.scan`,
+so trace and compile time do not grow with depth (`stacked_to_layers` gives the per-layer view HF
+checkpoints use). Used
 functionally: `graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))` once,
 then the pure `apply(graphdef, state, ...)` under `jax.jit`.
 
@@ -20,6 +23,7 @@ from typing import NamedTuple
 import chex
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from gspo_jax import moe, sharding
@@ -29,6 +33,17 @@ from gspo_jax.validation import check, check_choice, check_int, check_number
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # Large finite negative for masked attention scores: a fully masked row stays finite.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+# What a layer keeps for the backward pass: "none" keeps every intermediate; "full" keeps only the
+# layer's input and recomputes the rest; "save_dots" keeps matmul outputs; "save_dots_no_batch" keeps
+# those without batch dimensions (projections, not attention scores).
+REMAT_POLICIES = {
+    "none": None,
+    "full": jax.checkpoint_policies.nothing_saveable,
+    "save_dots": jax.checkpoint_policies.checkpoint_dots,
+    "save_dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,6 +73,10 @@ class ModelConfig:
     dispatch: str = "sparse"  # "sparse" (block-sorted loop: CPU) | "dense" (all-experts einsum) | "ragged" (ragged_dot)
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype; router, softmax and logits are float32 regardless
+    # Layers of one kind are stacked and run by `lax.scan`: trace and compile time stay flat in depth.
+    # scan_layers=False unrolls the same stacked layers (e.g. for XLA's per-op cost analysis).
+    scan_layers: bool = True
+    remat: str = "none"  # per-layer rematerialisation in the backward pass: one of REMAT_POLICIES
 
     def __post_init__(self):
         object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
@@ -88,6 +107,7 @@ class ModelConfig:
         check_choice(own, "dispatch", self.dispatch, moe.DISPATCHES)
         for f in ("param_dtype", "dtype"):
             check_choice(own, f, getattr(self, f), tuple(DTYPES))
+        check_choice(own, "remat", self.remat, tuple(REMAT_POLICIES))
 
     def is_moe_layer(self, i: int) -> bool:
         """Qwen3-MoE rule: MoE iff experts exist, (i+1) % moe_every == 0 and i not in dense_layers."""
@@ -100,6 +120,18 @@ class ModelConfig:
     @property
     def num_moe_layers(self) -> int:
         return len(self.moe_layer_ids)
+
+    @property
+    def layer_runs(self) -> tuple[tuple[int, int], ...]:
+        """(first layer, count) of each run of consecutive layers of one kind (dense or MoE): the
+        model's stacks, one parameter stack and one scan each."""
+        runs: list[list[int]] = []
+        for i in range(self.num_layers):
+            if runs and self.is_moe_layer(i) == self.is_moe_layer(runs[-1][0]):
+                runs[-1][1] += 1
+            else:
+                runs.append([i, 1])
+        return tuple((first, n) for first, n in runs)
 
     @property
     def jnp_dtype(self):
@@ -392,8 +424,59 @@ class Block(nnx.Module):
         return x_BTD + h_BTD.astype(x_BTD.dtype), new_kv, stats
 
 
+class Stack(nnx.Module):
+    """`n` consecutive Blocks of one kind, each parameter stacked on a leading "layers" axis.
+
+    Without a KV cache the layers run as one `lax.scan` (or the same scan unrolled, `scan_layers`),
+    with the configured remat policy; with one (sampling) they run as a loop over static slices of
+    the stack, so each layer's cache is updated in place."""
+
+    def __init__(self, cfg: ModelConfig, first: int, n: int, *, rngs: nnx.Rngs):
+        self.cfg, self.n, self.is_moe = cfg, n, cfg.is_moe_layer(first)
+
+        # Built once, vmapped: one initializer call per parameter of the stack (compile time on CPU
+        # grows with the number of random draws, not their size).
+        @nnx.split_rngs(splits=n)
+        @nnx.vmap(in_axes=(0,), out_axes=0, axis_size=n, transform_metadata={nnx.PARTITION_NAME: "layers"})
+        def build(rngs):
+            return Block(cfg, first, rngs=rngs)
+
+        self.layer = build(rngs)
+
+    def __call__(self, x_BTD, positions_BT, rope, kvs=None, forced_nBTK=None, router_logits=False):
+        """Returns (x, new per-layer kvs or None, router stats stacked over the n layers or None)."""
+        graphdef, params = nnx.split(self.layer)
+
+        def one(x_BTD, p, kv, forced_BTK):
+            x_BTD, new_kv, s = nnx.merge(graphdef, p)(x_BTD, positions_BT, rope, kv, forced_BTK)
+            if s is not None:
+                s = s._replace(logits_BTE=s.logits_BTE if router_logits else None)
+            return x_BTD, new_kv, s
+
+        stack = lambda *xs: jax.tree.map(lambda *a: jnp.stack(a), *xs)
+        if kvs is not None:
+            outs = []
+            for j in range(self.n):
+                forced = None if forced_nBTK is None else forced_nBTK[j]
+                x_BTD, new_kv, s = one(x_BTD, jax.tree.map(lambda a, j=j: a[j], params), kvs[j], forced)
+                outs.append((new_kv, s))
+            return x_BTD, [kv for kv, _ in outs], stack(*[s for _, s in outs]) if self.is_moe else None
+
+        def body(x_BTD, xs):
+            x_BTD, _, s = one(x_BTD, *xs)
+            return x_BTD, s
+
+        policy = REMAT_POLICIES[self.cfg.remat]
+        if self.cfg.remat != "none":
+            body = jax.checkpoint(body, policy=policy, prevent_cse=False)
+        unroll = 1 if self.cfg.scan_layers else self.n
+        x_BTD, stats = jax.lax.scan(body, x_BTD, (params, None, forced_nBTK), unroll=unroll)
+        return x_BTD, None, stats
+
+
 class Transformer(nnx.Module):
-    """Token embedding, `num_layers` Blocks, final RMSNorm, (tied or untied) LM head."""
+    """Token embedding, the layers as `Stack`s (`ModelConfig.layer_runs`), final RMSNorm, (tied or
+    untied) LM head."""
 
     def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         pd = cfg.jnp_param_dtype
@@ -403,7 +486,7 @@ class Transformer(nnx.Module):
         self.embed_tokens = sharding.param(
             rngs, nnx.initializers.normal(embed_std), (cfg.vocab_size, cfg.embed_dim), ("vocab", "embed"), pd
         )
-        self.layers = nnx.List([Block(cfg, i, rngs=rngs) for i in range(cfg.num_layers)])
+        self.stacks = nnx.List([Stack(cfg, first, n, rngs=rngs) for first, n in cfg.layer_runs])
         self.norm = RMSNorm(cfg.embed_dim, cfg.rms_eps, param_dtype=pd, rngs=rngs)
         if not cfg.tie_embeddings:
             self.lm_head = sharding.param(rngs, _fan_in(0, 1), (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"), pd)
@@ -429,33 +512,41 @@ class Transformer(nnx.Module):
         if cache is not None:
             index = cache.index.astype(jnp.int32)
             key_pos_BS = jax.lax.dynamic_update_slice(cache.positions, positions_BT, (jnp.zeros((), jnp.int32), index))
-            k_cache, v_cache = list(cache.k), list(cache.v)
+            new_k, new_v = [], []
         rope = rope_table(positions_BT, cfg.head_dim, cfg.rope_theta)
-        stats = []
-        for i, layer in enumerate(self.layers):
-            kv = None if cache is None else (k_cache[i], v_cache[i], key_pos_BS, index)
-            forced = None if forced_topk is None or not layer.is_moe else forced_topk[:, len(stats)]
-            x_BTD, new_kv, s = layer(x_BTD, positions_BT, rope, kv, forced)
+        stats, moe_seen = [], 0  # stats: per MoE stack, RouterOutput stacked [n, ...]
+        for stack, (first, n) in zip(self.stacks, cfg.layer_runs):
+            kvs = None
             if cache is not None:
-                k_cache[i], v_cache[i] = new_kv
+                kvs = [(cache.k[i], cache.v[i], key_pos_BS, index) for i in range(first, first + n)]
+            forced = None
+            if forced_topk is not None and stack.is_moe:
+                forced = forced_topk[:, moe_seen : moe_seen + n].transpose(1, 0, 2, 3)
+            x_BTD, kvs, s = stack(x_BTD, positions_BT, rope, kvs, forced, return_router_logits)
+            if cache is not None:
+                new_k += [k for k, _ in kvs]
+                new_v += [v for _, v in kvs]
             if s is not None:
                 stats.append(s)
+                moe_seen += n
         x_BTD = self.norm(x_BTD)
         head_DV = self.embed_tokens[...].T if cfg.tie_embeddings else self.lm_head[...]
         logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head_DV.astype(dtype), preferred_element_type=jnp.float32)
 
         if stats:
-            topk_BLTK = jnp.stack([s.topk_BTK for s in stats], axis=1)
-            router_logits = jnp.stack([s.logits_BTE for s in stats], axis=1) if return_router_logits else None
-            lb_loss = jnp.mean(jnp.stack([s.lb_loss for s in stats]))
-            z_loss = jnp.mean(jnp.stack([s.z_loss for s in stats]))
+            topk_BLTK = jnp.concatenate([s.topk_BTK for s in stats], axis=0).transpose(1, 0, 2, 3)
+            router_logits = None
+            if return_router_logits:
+                router_logits = jnp.concatenate([s.logits_BTE for s in stats], axis=0).transpose(1, 0, 2, 3)
+            lb_loss = jnp.mean(jnp.concatenate([s.lb_loss for s in stats]))
+            z_loss = jnp.mean(jnp.concatenate([s.z_loss for s in stats]))
         else:
             topk_BLTK = jnp.zeros((B, 0, T, K), jnp.int32)
             router_logits = jnp.zeros((B, 0, T, cfg.num_experts), jnp.float32) if return_router_logits else None
             lb_loss = z_loss = jnp.zeros((), jnp.float32)
         new_cache = None
         if cache is not None:
-            new_cache = KVCache(k=tuple(k_cache), v=tuple(v_cache), positions=key_pos_BS, index=index + T)
+            new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), positions=key_pos_BS, index=index + T)
         aux = ModelAux(
             topk=topk_BLTK,
             router_logits=router_logits,
@@ -509,6 +600,53 @@ def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
     return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
 
 
+def _random_state(cfg: ModelConfig, seed: jax.Array) -> nnx.State:
+    return nnx.split(Transformer(cfg, rngs=nnx.Rngs(jax.random.key(seed))))[1]
+
+
+def init(cfg: ModelConfig, seed: int, shardings=None) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, state) of a random `Transformer(cfg)` from `seed`, built by one jitted program (an
+    eager build compiles each initializer per shape, seconds on CPU) and placed by `shardings` if
+    given (a tree like `param_shardings`' result). One compile per config, whatever the seed."""
+    graphdef, _ = abstract_model(cfg)
+    build = jax.jit(_random_state, static_argnums=0, out_shardings=shardings)
+    return graphdef, build(cfg, np.int32(seed))
+
+
+def stacked_to_layers(cfg: ModelConfig, params: dict) -> dict:
+    """Per-layer view of a {path: array} dict: ("stacks", s, "layer", *rest) [n, ...] becomes
+    ("layers", i, *rest) for each of the stack's layers i (how HF checkpoints name them)."""
+    out = {}
+    for path, x in params.items():
+        if path[:1] != ("stacks",):
+            out[path] = x
+            continue
+        first, n = cfg.layer_runs[path[1]]
+        for j in range(n):
+            out[("layers", first + j) + tuple(path[3:])] = x[j]
+    return out
+
+
+def layers_to_stacked(cfg: ModelConfig, params: dict) -> dict:
+    """Inverse of `stacked_to_layers`: stacks each run's per-layer arrays (numpy or jax)."""
+    out, per = {}, {}
+    for path, x in params.items():
+        if path[:1] == ("layers",):
+            per[path] = x
+        else:
+            out[path] = x
+    for s, (first, n) in enumerate(cfg.layer_runs):
+        for rest in sorted({p[2:] for p in per if first <= p[1] < first + n}):
+            xs = [per.pop(("layers", first + j) + rest, None) for j in range(n)]
+            missing = [first + j for j, x in enumerate(xs) if x is None]
+            if missing:
+                raise ValueError(f"layers_to_stacked: no {rest} for layers {missing}")
+            out[("stacks", s, "layer") + rest] = (jnp if isinstance(xs[0], jax.Array) else np).stack(xs)
+    if per:
+        raise ValueError(f"layers_to_stacked: parameters of no layer run: {sorted(per)[:5]}")
+    return out
+
+
 def count_params(cfg: ModelConfig) -> tuple[int, int]:
     """(total, active per token): active counts top_k / num_experts of the expert weights."""
     _, state = abstract_model(cfg)
@@ -516,8 +654,8 @@ def count_params(cfg: ModelConfig) -> tuple[int, int]:
     for v in jax.tree.leaves(state, is_leaf=lambda x: isinstance(x, nnx.Variable)):
         n = int(v.get_value().size)
         total += n
-        axes = v.get_metadata().get("out_sharding") or ()
-        if len(axes) == 3 and axes[0] == "expert":
+        axes = tuple(v.get_metadata().get("out_sharding") or ())
+        if axes[-3:-2] == ("expert",):  # [(layers,) expert, in, out]; the router is [(layers,) embed, expert]
             expert += n
     active = total - expert + (expert * cfg.top_k) // max(cfg.num_experts, 1)
     return total, active

@@ -175,9 +175,9 @@ def init_policy(config: ml_collections.ConfigDict, model_cfg: model_lib.ModelCon
         _, graphdef, params = hf.load_hf_checkpoint(
             config.hf_checkpoint, dtype=model_cfg.param_dtype, dispatch=model_cfg.dispatch, mesh=mesh
         )
-    else:
-        graphdef, params = nnx.split(model_lib.Transformer(model_cfg, rngs=nnx.Rngs(config.seed)))
-    return graphdef, jax.device_put(params, sharding_lib.param_shardings(mesh, params))
+        return graphdef, jax.device_put(params, sharding_lib.param_shardings(mesh, params))
+    shardings = sharding_lib.param_shardings(mesh, model_lib.abstract_model(model_cfg)[1])
+    return model_lib.init(model_cfg, config.seed, shardings)
 
 
 def compile_programs(config, built: config_lib.Built, graphdef, params, mesh) -> Programs:

@@ -389,7 +389,7 @@ def test_load_onto_mesh():
     cfg, _, state = hf.load_hf_checkpoint(FIXTURES / "qwen3_moe_tiny", mesh=mesh)
     want = sharding.param_shardings(mesh, model_lib.abstract_model(cfg)[1])
     assert [x.sharding for x in jax.tree.leaves(state)] == jax.tree.leaves(want)
-    gate = state["layers"][0]["mlp"]["gate_proj"][...]  # [E=8, D=32, M=16] over expert=2, tensor=2
-    assert gate.sharding == want["layers"][0]["mlp"]["gate_proj"].get_value()
-    assert gate.addressable_shards[0].data.shape == (4, 32, 8)
+    gate = state["stacks"][0]["layer"]["mlp"]["gate_proj"][...]  # [L=2, E=8, D=32, M=16] over expert=2, tensor=2
+    assert gate.sharding == want["stacks"][0]["layer"]["mlp"]["gate_proj"].get_value()
+    assert gate.addressable_shards[0].data.shape == (2, 4, 32, 8)
     assert_bitwise_equal(params(state), params(load("qwen3_moe_tiny")[2]))

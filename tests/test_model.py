@@ -53,16 +53,18 @@ def fwd(graphdef, **kw):
 
 
 def router_params(state):
-    """The router weights of every MoE layer, as a list."""
-    return [layer["mlp"]["router"][...] for _, layer in sorted(state["layers"].items()) if "router" in layer["mlp"]]
+    """The router weights of every MoE layer, as a list (each stack holds its layers' stacked)."""
+    stacks = [stack["layer"]["mlp"] for _, stack in sorted(state["stacks"].items())]
+    return [w for mlp in stacks if "router" in mlp for w in mlp["router"][...]]
 
 
 def set_routers(state, value_fn):
     """A copy of `state` with each router weight replaced by value_fn(old)."""
     state = jax.tree.map(lambda x: x, state)
-    for layer in state["layers"].values():
-        if "router" in layer["mlp"]:
-            layer["mlp"]["router"] = layer["mlp"]["router"].replace(value_fn(layer["mlp"]["router"][...]))
+    for stack in state["stacks"].values():
+        mlp = stack["layer"]["mlp"]
+        if "router" in mlp:
+            mlp["router"] = mlp["router"].replace(value_fn(mlp["router"][...]))
     return state
 
 
@@ -266,6 +268,110 @@ class TestForward(chex.TestCase):
         logits_d, _ = self.variant(fwd(graphdef_d))(state, tokens, arange_positions())
         logits_r, _ = self.variant(fwd(graphdef_r))(state, tokens, arange_positions())
         np.testing.assert_allclose(logits_d, logits_r, atol=0.1, rtol=0.05)
+
+
+def test_layer_runs_by_hand():
+    """Consecutive layers of one kind form one stack."""
+    assert model_lib.get_config("tiny").layer_runs == ((0, 1), (1, 2))  # dense, then 2 MoE
+    assert model_lib.get_config("qwen3_30b_a3b").layer_runs == ((0, 48),)
+    cfg = model_lib.ModelConfig(num_layers=6, num_experts=4, top_k=2, moe_every=2, dense_layers=(3,))
+    assert cfg.layer_runs == ((0, 1), (1, 1), (2, 3), (5, 1))  # MoE layers 1 and 5
+    assert model_lib.ModelConfig(num_layers=3, num_experts=0).layer_runs == ((0, 3),)
+
+
+class TestLayerStacks(chex.TestCase):
+    """The stacked layers scanned, unrolled and rematerialised compute one function."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    def test_scanned_unrolled_and_remat_agree(self):
+        cfg, graphdef, state = tiny_model()
+        tokens, positions = random_tokens(5), arange_positions()
+        forced = jax.random.randint(jax.random.key(1), (B, cfg.num_moe_layers, T, 2), 0, 4) * 2 + jnp.array([0, 1])
+
+        def loss(graphdef, state, forced):
+            logits, aux = model_lib.apply(graphdef, state, tokens, positions, forced_topk=forced)
+            return jnp.mean(jax.nn.log_softmax(logits)[..., 3]) + aux.aux_loss, (logits, aux.topk, aux.lb_loss)
+
+        def run(cfg, forced=None):
+            g, _ = build(cfg)
+            fn = self.variant(jax.value_and_grad(functools.partial(loss, g), has_aux=True))
+            return fn(state, forced)
+
+        for replay in (None, forced):
+            (want, want_aux), want_grad = run(cfg, replay)
+            for overrides in (dict(scan_layers=False), dict(remat="full"), dict(remat="save_dots")):
+                (got, got_aux), got_grad = run(dataclasses.replace(cfg, **overrides), replay)
+                np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+                np.testing.assert_array_equal(got_aux[1], want_aux[1])
+                np.testing.assert_allclose(got_aux[0], want_aux[0], rtol=1e-5, atol=1e-6)
+                for a, b in zip(jax.tree.leaves(got_grad), jax.tree.leaves(want_grad)):
+                    np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-6)
+        assert replay is not None and (want_aux[1] == forced).all()  # replay reached every stacked layer
+
+    def test_each_stacked_layer_is_its_own_layer(self):
+        """Zeroing one layer's slice of a stack changes the output only through that layer."""
+        cfg, graphdef, state = tiny_model()
+        tokens, positions = random_tokens(6), arange_positions()
+        _, aux = model_lib.apply(graphdef, state, tokens, positions)
+        mlp = state["stacks"][1]["layer"]["mlp"]
+        for j in range(2):  # the MoE stack holds layers 1 and 2; its router of layer 1 + j forced to zero
+            s = jax.tree.map(lambda x: x, state)
+            s["stacks"][1]["layer"]["mlp"]["router"] = mlp["router"].replace(mlp["router"][...].at[j].set(0.0))
+            _, aux_j = model_lib.apply(graphdef, s, tokens, positions)
+            # A zero router picks experts 0 and 1 (ties go to the lower index) in that layer only.
+            assert (aux_j.topk[:, j] == jnp.array([0, 1])).all()
+            assert not (aux.topk[:, j] == jnp.array([0, 1])).all()
+            if j == 1:  # the layer before is untouched
+                np.testing.assert_array_equal(aux_j.topk[:, 0], aux.topk[:, 0])
+
+
+def test_stacked_and_per_layer_params_round_trip(tiny):
+    cfg, _, state = tiny
+    from gspo_jax import hf
+
+    stacked = hf.state_to_params(state)
+    per_layer = model_lib.stacked_to_layers(cfg, stacked)
+    router = stacked[("stacks", 1, "layer", "mlp", "router")]  # [layers 1..2, D, E]
+    assert router.shape == (2, cfg.embed_dim, cfg.num_experts)
+    np.testing.assert_array_equal(per_layer[("layers", 2, "mlp", "router")], router[1])
+    assert {k[1] for k in per_layer if k[0] == "layers"} == {0, 1, 2}
+    back = model_lib.layers_to_stacked(cfg, per_layer)
+    assert back.keys() == stacked.keys()
+    for k in stacked:
+        np.testing.assert_array_equal(back[k], stacked[k])
+    del per_layer[("layers", 1, "mlp", "up_proj")]
+    with pytest.raises(ValueError, match=r"no \('mlp', 'up_proj'\) for layers \[1\]"):
+        model_lib.layers_to_stacked(cfg, per_layer)
+
+
+def test_compiled_program_size_is_flat_in_depth():
+    """Scanned, a 2-layer and an 8-layer model lower to programs of about one size; unrolled, not."""
+
+    def hlo_size(**overrides):
+        cfg = model_lib.ModelConfig(num_experts=4, top_k=2, **overrides)
+        graphdef, state = model_lib.abstract_model(cfg)
+        tokens, positions = jnp.zeros((B, T), jnp.int32), arange_positions()
+        grad = jax.grad(lambda s: model_lib.apply(graphdef, s, tokens, positions)[0].sum())
+        return len(jax.jit(grad).lower(state).as_text())
+
+    scanned = hlo_size(num_layers=8) / hlo_size(num_layers=2)
+    unrolled = hlo_size(num_layers=8, scan_layers=False) / hlo_size(num_layers=2, scan_layers=False)
+    assert scanned < 1.1 and unrolled > 2.5, (scanned, unrolled)
+
+
+def test_init_is_one_program_and_seeded(compile_counter):
+    cfg = model_lib.get_config("tiny", num_layers=4)
+    graphdef, state = model_lib.init(cfg, seed=3)
+    assert compile_counter.count == 1
+    _, abstract = model_lib.abstract_model(cfg)
+    assert jax.tree.map(lambda x: (x.shape, x.dtype), state) == jax.tree.map(lambda x: (x.shape, x.dtype), abstract)
+    again, other = model_lib.init(cfg, seed=3)[1], model_lib.init(cfg, seed=4)[1]
+    assert compile_counter.count == 1  # the same program for every seed
+    for a, b, c in zip(jax.tree.leaves(state), jax.tree.leaves(again), jax.tree.leaves(other)):
+        np.testing.assert_array_equal(a, b)
+        assert np.all(a == 1) or not np.array_equal(a, c)  # norm scales are ones for every seed
+    w = state["stacks"][1]["layer"]["self_attn"]["q_proj"][...]  # layers of a stack are drawn independently
+    assert not np.allclose(w[0], w[1])
 
 
 class TestSparseDispatch(chex.TestCase):
@@ -497,8 +603,8 @@ class TestSharding(chex.TestCase):
         mesh = sharding.make_mesh(**axes)
         shardings = sharding.param_shardings(mesh, state)
         sharded_state = jax.device_put(state, shardings)
-        w = sharded_state["layers"][1]["mlp"]["gate_proj"][...]
-        assert w.sharding.spec[0] == "expert" and len(w.sharding.device_set) == 8
+        w = sharded_state["stacks"][1]["layer"]["mlp"]["gate_proj"][...]  # [layers, E, D, F]
+        assert w.sharding.spec[:2] == (None, "expert") and len(w.sharding.device_set) == 8
         batch = sharding.batch_sharding(mesh, 2)
         tokens_s, positions_s = jax.device_put(tokens, batch), jax.device_put(positions, batch)
         logits, aux = self.variant(fwd(graphdef))(sharded_state, tokens_s, positions_s)

@@ -61,7 +61,7 @@ def test_every_param_is_annotated(abstract):
         assert len(names) == v.get_value().ndim
         assert set(names) <= set(sharding.LOGICAL_AXES)
     names = sharding.logical_axes(state)
-    assert names["layers"][1]["mlp"]["gate_proj"].get_value() == ("expert", "embed", "mlp")
+    assert names["stacks"][1]["layer"]["mlp"]["gate_proj"].get_value() == ("layers", "expert", "embed", "mlp")
     assert names["embed_tokens"].get_value() == ("vocab", "embed")
 
 
@@ -71,13 +71,13 @@ def test_param_shardings(abstract):
     shardings = sharding.param_shardings(mesh, state)
     assert jax.tree.structure(shardings) == jax.tree.structure(state)
     assert all(isinstance(s, NamedSharding) for s in jax.tree.leaves(shardings))
-    moe = shardings["layers"][1]["mlp"]
-    assert moe["gate_proj"].get_value().spec == P("expert", "fsdp", "tensor")
-    assert moe["down_proj"].get_value().spec == P("expert", "tensor", "fsdp")
-    assert moe["router"].get_value().spec == P("fsdp", "expert")
-    attn = shardings["layers"][0]["self_attn"]
-    assert attn["q_proj"].get_value().spec == P("fsdp", "tensor", None)
-    assert attn["o_proj"].get_value().spec == P("tensor", None, "fsdp")
+    moe = shardings["stacks"][1]["layer"]["mlp"]  # every layer parameter has a leading, unsharded "layers" axis
+    assert moe["gate_proj"].get_value().spec == P(None, "expert", "fsdp", "tensor")
+    assert moe["down_proj"].get_value().spec == P(None, "expert", "tensor", "fsdp")
+    assert moe["router"].get_value().spec == P(None, "fsdp", "expert")
+    attn = shardings["stacks"][0]["layer"]["self_attn"]
+    assert attn["q_proj"].get_value().spec == P(None, "fsdp", "tensor", None)
+    assert attn["o_proj"].get_value().spec == P(None, "tensor", None, "fsdp")
     assert shardings["norm"]["scale"].get_value().spec == P(None)
 
     # Usable as jit in/out shardings for real params.
@@ -85,9 +85,9 @@ def test_param_shardings(abstract):
     placed = jax.jit(lambda s: jax.tree.map(lambda x: x * 2, s), in_shardings=(shardings,), out_shardings=shardings)(
         params
     )
-    w = placed["layers"][2]["mlp"]["up_proj"].get_value()
-    assert w.sharding.spec == P("expert", "fsdp", "tensor")
-    np.testing.assert_allclose(w, 2 * params["layers"][2]["mlp"]["up_proj"].get_value())
+    w = placed["stacks"][1]["layer"]["mlp"]["up_proj"].get_value()
+    assert w.sharding.spec == P(None, "expert", "fsdp", "tensor")
+    np.testing.assert_allclose(w, 2 * params["stacks"][1]["layer"]["mlp"]["up_proj"].get_value())
 
 
 @pytest.mark.parametrize("pure_dict", [False, True], ids=["nnx-state", "pure-dict"])
