@@ -16,10 +16,10 @@ Sections:
              compiles after warm-up and the time to the first finished iteration, cold and with the
              persistent compilation cache filled by a previous run
 
-Useful FLOPs are analytic, never XLA's cost analysis (it counts a loop body once): a matmul of
-[m, k] × [k, n] is 2·m·k·n; a train step is 6 × (active matmul parameters) × tokens plus attention,
-12 × layers × B × T² × H × W (QKᵀ and PV, forward and backward); decoding a token is
-2 × active matmul parameters per sequence (attention over the cache left out: small at these lengths).
+Useful FLOPs are analytic (`gspo_jax/flops.py`), never XLA's cost analysis (it counts a loop body
+once): a train step is 6 × (active matmul parameters) × tokens plus attention, 12 × layers × B × T² ×
+H × W; decoding a token is 2 × active matmul parameters per sequence (attention over the cache left
+out: small at these lengths).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ from gspo_jax import losses, moe, train
 from gspo_jax import model as model_lib
 from gspo_jax.algorithms import ALGORITHMS
 from gspo_jax.config import base_config, build
+from gspo_jax.flops import matmul_params, train_flops
 from gspo_jax.sampler import Sampler, left_pad, sample_logits
 from gspo_jax.sharding import mesh_from_config
 
@@ -57,17 +58,6 @@ def best_time(fn, repeats: int) -> float:
         jax.block_until_ready(fn())
         best = min(best, time.perf_counter() - t0)
     return best
-
-
-def matmul_params(cfg: model_lib.ModelConfig) -> int:
-    """Active parameters that take part in a matmul per token (embedding lookups excluded)."""
-    _, active = model_lib.count_params(cfg)
-    return active - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.embed_dim)
-
-
-def train_flops(cfg: model_lib.ModelConfig, B: int, T: int) -> float:
-    attention = 12 * cfg.num_layers * B * T * T * cfg.num_heads * cfg.head_dim
-    return 6 * matmul_params(cfg) * B * T + attention
 
 
 # ---------------------------------------------------------------------------------------------- peak

@@ -146,8 +146,9 @@ def _typed(name: str, cls, values: dict):
         raise ConfigError(f"config.{name}: {e}") from None
 
 
-def build(c: ml_collections.ConfigDict) -> Built:
-    """Validates the whole config and returns its typed pieces; raises `ConfigError` naming the key."""
+def build(c: ml_collections.ConfigDict, device_count: int | None = None) -> Built:
+    """Validates the whole config and returns its typed pieces; raises `ConfigError` naming the key.
+    The mesh is checked against `device_count` devices (default: this process's, `jax.device_count()`)."""
     m = dict(c.model)
     m["dense_layers"] = tuple(m.get("dense_layers", ()))
     model_cfg = _typed("model", model_lib.ModelConfig, m)
@@ -217,6 +218,7 @@ def build(c: ml_collections.ConfigDict) -> Built:
         minibatch=batch // t.minibatches,
         drift_batch=batch // t.drift_subsample,
         warm_start_batch=w.batch_size,
+        devices=jax.device_count() if device_count is None else device_count,
     )
     tokenizer = load_tokenizer(c.tokenizer_path or None)
     bos = 0 if tokenizer.bos_token_id is None else 1
@@ -247,21 +249,27 @@ def build(c: ml_collections.ConfigDict) -> Built:
 
 
 def _check_mesh(
-    mesh: ml_collections.ConfigDict, *, batch: int, minibatch: int, drift_batch: int, warm_start_batch: int
+    mesh: ml_collections.ConfigDict,
+    *,
+    batch: int,
+    minibatch: int,
+    drift_batch: int,
+    warm_start_batch: int,
+    devices: int,
 ) -> None:
     """Axis sizes against the devices present, and the data axes against every batch they split."""
     sizes = {k: mesh[k] for k in ("data", "fsdp", "expert", "tensor")}
     for k, v in sizes.items():
         check(is_int(v) and (v >= 1 or v == -1), "config", f"mesh.{k}", v, "an int >= 1, or -1 for the devices left")
     check(list(sizes.values()).count(-1) <= 1, "config", "mesh", dict(sizes), "at most one axis may be -1")
-    n = jax.device_count()
+    n = devices
     known = math.prod(v for v in sizes.values() if v != -1)
     check(
         known <= n and (-1 not in sizes.values() or n % known == 0),
         "config",
         "mesh",
         dict(sizes),
-        f"this machine has {n} devices",
+        f"there are {n} devices",
     )
     sizes = {k: (n // known if v == -1 else v) for k, v in sizes.items()}
     data = sizes["data"] * sizes["fsdp"]

@@ -234,7 +234,7 @@ class Sampler:
             state_sh = sharding_lib.param_shardings(mesh, state)
             b1, b2 = sharding_lib.batch_sharding(mesh, 1), sharding_lib.batch_sharding(mesh, 2)
             rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-            self._cache_sharding = sharding_lib.cache_shardings(mesh, self._new_cache())
+            self._cache_sharding = sharding_lib.cache_shardings(mesh, jax.eval_shape(self._new_cache))
             b4 = sharding_lib.batch_sharding(mesh, 4)
             out_sh = SampleOutput(
                 tokens=b2, prompt_mask=b2, completion_mask=b2, logp=b2, lengths=b1, truncated=b1, topk=b4
@@ -251,6 +251,26 @@ class Sampler:
 
     def _new_cache(self):
         return model_lib.init_cache(self.model_cfg, self.batch_size, self.prompt_len + self.max_new_tokens)
+
+    def lower(self, state):
+        """The generation program lowered for abstract `state` (ShapeDtypeStructs with shardings), with
+        nothing allocated: what `scripts/aot_compile.py` compiles for a TPU slice without one."""
+        check(self.mesh is not None, "Sampler", "mesh", None, "a mesh to lower for")
+        B, P = self.batch_size, self.prompt_len
+        shaped = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
+        i32, f32 = jnp.int32, jnp.float32
+        args = (
+            state,
+            jax.eval_shape(self._new_cache),
+            jax.ShapeDtypeStruct((B, P), i32),
+            jax.ShapeDtypeStruct((B, P), bool),
+            jax.eval_shape(lambda: jax.random.key(0)),
+            *(jax.ShapeDtypeStruct((), t) for t in (f32, i32, f32)),
+            jax.ShapeDtypeStruct((MAX_EOS_IDS,), i32),
+            jax.ShapeDtypeStruct((), i32),
+        )
+        args = jax.tree.map(shaped, args, self._in_shardings)
+        return self._fn.lower(*self._static, *args)
 
     def __call__(
         self,

@@ -71,6 +71,21 @@ class TrainBatch:
     topk: Array  # int32 [B, L, T, K]: π_old's routing, replayed under R2 / R3
 
 
+def abstract_batch(built: config_lib.Built, B: int, T: int) -> TrainBatch:
+    """A TrainBatch of B sequences of T tokens as shapes and dtypes (ahead-of-time lowering)."""
+    S, m = jax.ShapeDtypeStruct, built.model
+    return TrainBatch(
+        tokens=S((B, T), jnp.int32),
+        positions=S((B, T), jnp.int32),
+        completion_mask=S((B, T), jnp.bool_),
+        loss_mask=S((B, T), jnp.float32),
+        old_logp=S((B, T), jnp.float32),
+        ref_logp=S((B, T), jnp.float32),
+        advantages=S((B,), jnp.float32),
+        topk=S((B, m.num_moe_layers, T, max(m.top_k, 1)), jnp.int32),
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class StepConfig:
     """The static part of `train_step`: hashable, so equal configs share one compilation."""

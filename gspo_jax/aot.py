@@ -1,0 +1,189 @@
+"""Deviceless ahead-of-time compilation for a TPU slice: does a config's RL step fit, and what would
+it cost? Lowers and compiles the train step, the scoring forward (π_old / π_ref log-probs) and the
+sampler for a named topology (`jax.experimental.topologies`, with `libtpu` from the `tpu` extra) and
+the config's mesh, with no TPU attached, and reads XLA's per-chip memory analysis.
+`scripts/aot_compile.py` prints the report."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import re
+import time
+
+import jax
+import jax.numpy as jnp
+
+from gspo_jax import config as config_lib
+from gspo_jax import flops, train
+from gspo_jax import model as model_lib
+from gspo_jax import sharding as sharding_lib
+from gspo_jax.sampler import Sampler
+from gspo_jax.validation import ConfigError
+
+GIB = 2**30
+# Per chip: HBM (GiB) and peak bfloat16 matmul FLOP/s, from Google Cloud's TPU pages.
+CHIPS = {
+    "v4": (32.0, 275e12),
+    "v5e": (16.0, 197e12),
+    "v5p": (95.74, 459e12),
+    "v6e": (32.0, 918e12),
+}
+PROGRAMS = ("train_step", "score", "sample")
+MFU = 0.4  # the implied step time assumes this fraction of the slice's peak
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+    """One compiled program on one slice; bytes are per chip."""
+
+    program: str
+    mesh: str  # the mesh's axes larger than 1, e.g. "fsdp=4×expert=8"
+    shape: str  # sequences × tokens it processes
+    argument_bytes: int
+    output_bytes: int
+    alias_bytes: int  # outputs written in place of donated arguments
+    temp_bytes: int
+    hbm_bytes: int
+    compile_seconds: float
+    flops: float  # analytic useful FLOPs of one call, the whole slice
+    seconds_at_mfu: float  # the call's time at `MFU` of the slice's peak
+    # Set when XLA refused to compile for lack of HBM: then temp_bytes is what it said the temporaries
+    # need, argument_bytes the arguments' shards, and outputs are not known (0).
+    refused: str = ""
+
+    @property
+    def total_bytes(self) -> int:
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+
+    @property
+    def hbm_fraction(self) -> float:
+        return self.total_bytes / self.hbm_bytes
+
+    @property
+    def fits(self) -> bool:
+        return not self.refused and self.total_bytes <= self.hbm_bytes
+
+
+def topology_devices(topology: str):
+    """The devices of a named TPU topology, e.g. "v5p:2x4x4" (32 chips), without a TPU attached."""
+    from jax.experimental import topologies
+
+    # libtpu takes a machine-wide lock on load, meant for TPU hosts; with no TPU attached, several
+    # processes (a test and the script it launches, two compiles) may compile at once.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    chip = topology.split(":", 1)[0]
+    if chip not in CHIPS or ":" not in topology:
+        raise ConfigError(f"topology: {topology!r} is not '<chip>:<shape>' with chip one of {tuple(CHIPS)}")
+    try:
+        return topologies.get_topology_desc(topology, "tpu").devices
+    except Exception as e:  # libtpu missing, or a shape it does not know
+        raise ConfigError(
+            f"topology: {topology!r} could not be described ({type(e).__name__}: {str(e).splitlines()[0]}); "
+            "deviceless compilation needs libtpu: pip install -e '.[tpu]'"
+        ) from None
+
+
+_UNITS = {"": 1, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40, "P": 2**50}
+
+
+def _shard_bytes(args) -> int:
+    """Bytes per chip of abstract arguments (ShapeDtypeStructs with shardings)."""
+    leaves = [x for x in jax.tree.leaves(args) if hasattr(x, "sharding") and x.sharding is not None]
+    return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves)
+
+
+def _row(program, mesh, shape, lower, args, hbm, flops_, peak, chips) -> Row:
+    t0 = time.perf_counter()
+    common = dict(program=program, mesh=mesh, shape=shape, hbm_bytes=int(hbm * GIB), flops=flops_)
+    common["seconds_at_mfu"] = flops_ / (MFU * peak * chips)
+    try:
+        m = lower(*args).compile().memory_analysis()
+    except jax.errors.JaxRuntimeError as e:
+        need = re.search(r"HLO temporaries \(([\d.]+)([KMGTP]?)\)", str(e))
+        if "RESOURCE_EXHAUSTED" not in str(e) or need is None:
+            raise
+        return Row(
+            argument_bytes=_shard_bytes(args),
+            output_bytes=0,
+            alias_bytes=0,
+            temp_bytes=int(float(need.group(1)) * _UNITS[need.group(2)]),
+            compile_seconds=time.perf_counter() - t0,
+            refused="XLA: out of HBM",
+            **common,
+        )
+    return Row(
+        argument_bytes=m.argument_size_in_bytes,
+        output_bytes=m.output_size_in_bytes,
+        alias_bytes=m.alias_size_in_bytes,
+        temp_bytes=m.temp_size_in_bytes,
+        compile_seconds=time.perf_counter() - t0,
+        **common,
+    )
+
+
+def compile_report(config, topology: str, programs: tuple[str, ...] = PROGRAMS) -> list[Row]:
+    """Compiles `programs` of `config` (a base_config ConfigDict) for `topology`; one Row each."""
+    unknown = set(programs) - set(PROGRAMS)
+    if unknown:
+        raise ConfigError(f"programs: {sorted(unknown)} not in {PROGRAMS}")
+    devices = topology_devices(topology)
+    built = config_lib.build(config, device_count=len(devices))
+    hbm, peak = CHIPS[topology.split(":", 1)[0]]
+    chips = (peak, len(devices))
+    mesh = sharding_lib.mesh_from_config(**config.mesh, devices=devices)
+    mesh_s = "×".join(f"{k}={v}" for k, v in mesh.shape.items() if v != 1) or "1"
+    cfg = built.model
+    graphdef, abstract = model_lib.abstract_model(cfg)
+    param_sh = sharding_lib.param_shardings(mesh, abstract)
+    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, param_sh)
+    progs = train.compile_programs(config, built, graphdef, params, mesh)
+    B = built.rollout.num_groups * built.rollout.group_size
+    P, C = config.prompt_len, config.max_new_tokens
+    T = P + C
+    rows = []
+    if "train_step" in programs:
+        mb = B // config.train.minibatches
+        state = train.abstract_train_state(progs, params)
+        batch = jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
+            train.abstract_batch(built, mb, T),
+            progs.batch_shardings,
+        )
+        step = progs.train_step
+        lower = functools.partial(step.func.lower, *step.args)
+        rows.append(
+            _row("train_step", mesh_s, f"{mb} × {T}", lower, (state, batch), hbm, flops.train_flops(cfg, mb, T), *chips)
+        )
+    if "score" in programs:
+        b2 = progs.batch_shardings.tokens
+        tokens = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=b2)
+        lower = functools.partial(progs.score.func.lower, *progs.score.args)
+        work = flops.forward_flops(cfg, B, T)
+        rows.append(_row("score", mesh_s, f"{B} × {T}", lower, (params, tokens, tokens), hbm, work, *chips))
+    if "sample" in programs:
+        sampler = Sampler(graphdef, cfg, B, P, C, mesh=mesh, state=params)
+        shape, work = f"{B} × {P}+{C}", flops.sample_flops(cfg, B, P, C)
+        rows.append(_row("sample", mesh_s, shape, sampler.lower, (params,), hbm, work, *chips))
+    return rows
+
+
+def format_report(rows: list[Row], topology: str, microbatches: int, remat: str) -> str:
+    """A Markdown table, one row per program (the README's format)."""
+    gib = lambda b: f"{b / GIB:.2f}"
+    lines = [
+        "| topology | mesh | program | shape | micro-batches | remat | args GiB | out GiB | temp GiB | total GiB "
+        "| HBM | fits | compile s | TFLOP/step | s at 40% MFU |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+    ]
+    for r in rows:
+        fits = "yes" if r.fits else f"NO ({r.refused})" if r.refused else "NO"
+        lines.append(
+            f"| {topology} | {r.mesh} | {r.program} | {r.shape} | {microbatches if r.program == 'train_step' else '-'} "
+            f"| {remat} | {gib(r.argument_bytes)} | {gib(r.output_bytes - r.alias_bytes)} | {gib(r.temp_bytes)} "
+            f"| {gib(r.total_bytes)} | {r.hbm_fraction:.0%} of {gib(r.hbm_bytes)} | {fits} "
+            f"| {r.compile_seconds:.1f} | {r.flops / 1e12:.3g} | {r.seconds_at_mfu:.3g} |"
+        )
+    return "\n".join(lines)
