@@ -159,6 +159,9 @@ PRESETS: dict[str, ModelConfig] = {
         dense_layers=(0,),
         lb_loss_coef=0.01,
         z_loss_coef=0.001,
+        # Unrolled: XLA CPU segfaulted compiling the scanned layers inside the micro-batch scan in CI
+        # (test_train's micro-batch identity, after the rest of the suite; not reproduced alone).
+        scan_layers=False,
     ),
     "qwen3_30b_a3b": ModelConfig(
         vocab_size=151936,

@@ -284,7 +284,8 @@ class TestLayerStacks(chex.TestCase):
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_scanned_unrolled_and_remat_agree(self):
-        cfg, graphdef, state = tiny_model()
+        cfg, _, state = tiny_model()
+        cfg = dataclasses.replace(cfg, scan_layers=True)  # the tiny preset unrolls
         tokens, positions = random_tokens(5), arange_positions()
         forced = jax.random.randint(jax.random.key(1), (B, cfg.num_moe_layers, T, 2), 0, 4) * 2 + jnp.array([0, 1])
 
@@ -300,6 +301,7 @@ class TestLayerStacks(chex.TestCase):
         for replay in (None, forced):
             (want, want_aux), want_grad = run(cfg, replay)
             for overrides in (dict(scan_layers=False), dict(remat="full"), dict(remat="save_dots")):
+                assert cfg.scan_layers
                 (got, got_aux), got_grad = run(dataclasses.replace(cfg, **overrides), replay)
                 np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
                 np.testing.assert_array_equal(got_aux[1], want_aux[1])
