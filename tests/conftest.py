@@ -5,6 +5,8 @@ import os
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8").strip()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+import gc  # noqa: E402
+
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 import pytest  # noqa: E402
 from hypothesis import settings  # noqa: E402
@@ -15,6 +17,16 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _drop_compiled_programs():
+    """XLA:CPU maps memory for every compiled program (about 5 maps each) and keeps it while JAX caches
+    the program: the whole suite in one process passed the kernel's limit (vm.max_map_count = 65,530)
+    and the next compile aborted. Each test module's programs are dropped when it ends."""
+    yield
+    jax.clear_caches()
+    gc.collect()
 
 
 @pytest.fixture
