@@ -123,6 +123,34 @@ def sequence_logprobs(logits_BTV: Array, tokens_BT: Array, temperature: float | 
     return jnp.pad(logp_BT, ((0, 0), (1, 0)))
 
 
+def sequence_logprobs_from_hidden(
+    h_BTD: Array, head_DV: Array, tokens_BT: Array, temperature: float | Array = 1.0, chunk: int = 0
+) -> Array:
+    """`sequence_logprobs(h_BTD @ head_DV, tokens_BT, temperature)` from the final hidden states.
+
+    With `chunk` > 0 the LM head and log-softmax run over `chunk` positions at a time, each chunk under
+    `jax.checkpoint`: neither the forward nor the backward holds more than [B, chunk, V] float32 logits
+    (a 151,936-token vocabulary makes the whole [B, T, V] the largest tensor of a step). chunk=0: at once.
+    """
+    B, T, _ = h_BTD.shape
+    targets_BT = jnp.pad(tokens_BT[:, 1:], ((0, 0), (0, 1)))  # position t predicts token t + 1; the last none
+
+    def logp(h_BCD, targets_BC):
+        logits_BCV = jnp.einsum("bcd,dv->bcv", h_BCD, head_DV, preferred_element_type=jnp.float32)
+        return token_logprobs(logits_BCV, targets_BC, temperature)
+
+    if not chunk or chunk >= T:
+        logp_BT = logp(h_BTD, targets_BT)
+    else:
+        n = -(-T // chunk)
+        pad = n * chunk - T
+        h_nBCD = jnp.pad(h_BTD, ((0, 0), (0, pad), (0, 0))).reshape(B, n, chunk, -1).swapaxes(0, 1)
+        t_nBC = jnp.pad(targets_BT, ((0, 0), (0, pad))).reshape(B, n, chunk).swapaxes(0, 1)
+        logp_nBC = jax.lax.map(jax.checkpoint(lambda a: logp(*a)), (h_nBCD, t_nBC))
+        logp_BT = logp_nBC.swapaxes(0, 1).reshape(B, n * chunk)[:, :T]
+    return jnp.pad(logp_BT[:, :-1], ((0, 0), (1, 0)))
+
+
 def kl_k1(d: Array) -> Array:
     """k1 = -d, with d = ref_logp - logp (unbiased, high variance, can be negative)."""
     return -d

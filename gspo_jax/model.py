@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 
 from gspo_jax import moe, sharding
-from gspo_jax.losses import sequence_logprobs
+from gspo_jax.losses import sequence_logprobs_from_hidden
 from gspo_jax.validation import check, check_choice, check_int, check_number
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -77,6 +77,12 @@ class ModelConfig:
     # scan_layers=False unrolls the same stacked layers (e.g. for XLA's per-op cost analysis).
     scan_layers: bool = True
     remat: str = "none"  # per-layer rematerialisation in the backward pass: one of REMAT_POLICIES
+    # Log-probs (scoring and the loss) run the LM head over this many positions at a time, so [B, T, V]
+    # float32 logits never exist at once (`losses.sequence_logprobs_from_hidden`); 0: all at once.
+    logprob_chunk: int = 0
+    # The scoring forward (π_old, π_ref, drift: `score`) runs the batch as this many chunks, one after
+    # another, so its activations are a chunk's; 1: the whole batch at once.
+    score_chunks: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
@@ -108,6 +114,8 @@ class ModelConfig:
         for f in ("param_dtype", "dtype"):
             check_choice(own, f, getattr(self, f), tuple(DTYPES))
         check_choice(own, "remat", self.remat, tuple(REMAT_POLICIES))
+        check_int(own, "logprob_chunk", self.logprob_chunk, low=0)
+        check_int(own, "score_chunks", self.score_chunks, low=1)
 
     def is_moe_layer(self, i: int) -> bool:
         """Qwen3-MoE rule: MoE iff experts exist, (i+1) % moe_every == 0 and i not in dense_layers."""
@@ -159,9 +167,6 @@ PRESETS: dict[str, ModelConfig] = {
         dense_layers=(0,),
         lb_loss_coef=0.01,
         z_loss_coef=0.001,
-        # Unrolled: XLA CPU segfaulted compiling the scanned layers inside the micro-batch scan in CI
-        # (test_train's micro-batch identity, after the rest of the suite; not reproduced alone).
-        scan_layers=False,
     ),
     "qwen3_30b_a3b": ModelConfig(
         vocab_size=151936,
@@ -503,6 +508,27 @@ class Transformer(nnx.Module):
         return_router_logits: bool = False,
     ) -> tuple[jax.Array, ModelAux]:
         """float32 logits [B, T, V] and `ModelAux`; see `apply`."""
+        x_BTD, aux = self.hidden(tokens_BT, positions_BT, cache, forced_topk, return_router_logits)
+        return self.logits(x_BTD), aux
+
+    def head(self) -> jax.Array:
+        """The LM head [D, V] in the compute dtype (the embedding, transposed, when tied)."""
+        head_DV = self.embed_tokens[...].T if self.cfg.tie_embeddings else self.lm_head[...]
+        return head_DV.astype(self.cfg.jnp_dtype)
+
+    def logits(self, x_BTD: jax.Array) -> jax.Array:
+        """float32 logits of final hidden states (`hidden`'s output)."""
+        return jnp.einsum("btd,dv->btv", x_BTD, self.head(), preferred_element_type=jnp.float32)
+
+    def hidden(
+        self,
+        tokens_BT: jax.Array,
+        positions_BT: jax.Array,
+        cache: KVCache | None = None,
+        forced_topk: jax.Array | None = None,
+        return_router_logits: bool = False,
+    ) -> tuple[jax.Array, ModelAux]:
+        """The final (normed) hidden states [B, T, D] before the LM head, and `ModelAux`."""
         cfg, dtype = self.cfg, self.cfg.jnp_dtype
         chex.assert_rank(tokens_BT, 2, custom_message="tokens must be [B, T]")
         B, T = tokens_BT.shape
@@ -533,8 +559,6 @@ class Transformer(nnx.Module):
                 stats.append(s)
                 moe_seen += n
         x_BTD = self.norm(x_BTD)
-        head_DV = self.embed_tokens[...].T if cfg.tie_embeddings else self.lm_head[...]
-        logits_BTV = jnp.einsum("btd,dv->btv", x_BTD, head_DV.astype(dtype), preferred_element_type=jnp.float32)
 
         if stats:
             topk_BLTK = jnp.concatenate([s.topk_BTK for s in stats], axis=0).transpose(1, 0, 2, 3)
@@ -558,7 +582,7 @@ class Transformer(nnx.Module):
             aux_loss=cfg.lb_loss_coef * lb_loss + cfg.z_loss_coef * z_loss,
             cache=new_cache,
         )
-        return logits_BTV, aux
+        return x_BTD, aux
 
 
 def apply(
@@ -592,10 +616,42 @@ def score(
     forced_topk_BLTK: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array]:
     """log-probs of the given tokens at `temperature` (aligned to positions, float32 [B, T]) and the
-    router top-k [B, L, T, K]: how the policy scores a rollout (π_old's recompute, π_ref, drift).
-    Jit with `graphdef` and `temperature` static."""
-    logits_BTV, aux = apply(graphdef, state, tokens_BT, positions_BT, forced_topk=forced_topk_BLTK)
-    return sequence_logprobs(logits_BTV, tokens_BT, temperature), aux.topk
+    router top-k [B, L, T, K]: how the policy scores a rollout (π_old's recompute, π_ref, drift), in
+    `ModelConfig.score_chunks` chunks of the batch. Jit with `graphdef` and `temperature` static."""
+
+    def one(tokens_BT, positions_BT, forced_topk_BLTK):
+        logp_BT, aux = logprobs(graphdef, state, tokens_BT, positions_BT, forced_topk_BLTK, temperature)
+        return logp_BT, aux.topk
+
+    chunks = nnx.merge(graphdef, state).cfg.score_chunks
+    return in_batch_chunks(one, chunks, tokens_BT, positions_BT, forced_topk_BLTK)
+
+
+def in_batch_chunks(fn, chunks: int, *args):
+    """`fn(*args)` over `chunks` pieces of the leading (batch) axis, one after another (`lax.map`), the
+    results put back in order. Piece i holds rows i, i + chunks, ...: strided, so each piece is spread
+    over the devices the batch is sharded on, not held by a few of them. `None` args pass through."""
+    if chunks == 1:
+        return fn(*args)
+    split = lambda x: x.reshape(x.shape[0] // chunks, chunks, *x.shape[1:]).swapaxes(0, 1)
+    merge = lambda y: y.swapaxes(0, 1).reshape(-1, *y.shape[2:])
+    return jax.tree.map(merge, jax.lax.map(lambda a: fn(*a), jax.tree.map(split, args)))
+
+
+def logprobs(
+    graphdef: nnx.GraphDef,
+    state: nnx.State,
+    tokens_BT: jax.Array,
+    positions_BT: jax.Array,
+    forced_topk_BLTK: jax.Array | None = None,
+    temperature: float | jax.Array = 1.0,
+) -> tuple[jax.Array, ModelAux]:
+    """`sequence_logprobs` of the model's own forward over `tokens_BT` (float32 [B, T], position 0 gets
+    0) and `ModelAux`, with the LM head run in chunks of `ModelConfig.logprob_chunk` positions."""
+    model = nnx.merge(graphdef, state)
+    x_BTD, aux = model.hidden(tokens_BT, positions_BT, forced_topk=forced_topk_BLTK)
+    logp_BT = sequence_logprobs_from_hidden(x_BTD, model.head(), tokens_BT, temperature, model.cfg.logprob_chunk)
+    return logp_BT, aux
 
 
 def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:

@@ -134,7 +134,8 @@ def _generate(
     # The donated cache of the previous call is reused: emptying its slot positions is enough.
     cache = dataclasses.replace(cache, positions=jnp.full_like(cache.positions, -1), index=jnp.zeros_like(cache.index))
     pos_BP = model_lib.positions_from_mask(prompt_mask_BP)
-    logits_BPV, aux = model(prompt_BP, pos_BP, cache=cache)
+    x_BPD, aux = model.hidden(prompt_BP, pos_BP, cache=cache)
+    logits_BV = model.logits(x_BPD[:, -1:])[:, 0]  # only the last position's: never [B, P, V]
     n_prompt_B = jnp.sum(prompt_mask_BP, axis=-1).astype(jnp.int32)
     _, L, _, K = aux.topk.shape
 
@@ -168,7 +169,7 @@ def _generate(
         DecodeState(
             step=jnp.zeros((), jnp.int32),
             cache=aux.cache,
-            logits=logits_BPV[:, -1].astype(jnp.float32),
+            logits=logits_BV,
             key=key,
             done=jnp.zeros((B,), bool),
             tokens=jnp.full((B, C), pad_id, jnp.int32),

@@ -135,8 +135,7 @@ def train_step(
 
     def loss_fn(params, mb: TrainBatch):
         forced = mb.topk if static.replay and not static.on_policy else None
-        logits_BTV, aux = model_lib.apply(static.graphdef, params, mb.tokens, mb.positions, forced_topk=forced)
-        logp_BT = losses.sequence_logprobs(logits_BTV, mb.tokens, static.temperature)
+        logp_BT, aux = model_lib.logprobs(static.graphdef, params, mb.tokens, mb.positions, forced, static.temperature)
         old_BT = jax.lax.stop_gradient(logp_BT) if static.on_policy else mb.old_logp
         ref_BT = mb.ref_logp if cfg.kl_coef > 0 else None
         loss, metrics = losses.policy_loss(cfg, logp_BT, old_BT, mb.advantages, mb.loss_mask, ref_BT, denominator=denom)

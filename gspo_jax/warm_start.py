@@ -18,7 +18,6 @@ import ml_collections
 import numpy as np
 import optax
 
-from gspo_jax import losses
 from gspo_jax import model as model_lib
 from gspo_jax import optimizer as optimizer_lib
 from gspo_jax import sharding as sharding_lib
@@ -31,8 +30,7 @@ def sft_step(graphdef, tx, params, opt_state, tokens_BT, positions_BT, mask_BT):
     """One supervised step: mean token cross-entropy on the demonstration tokens (+ MoE aux losses)."""
 
     def loss_fn(p):
-        logits_BTV, aux = model_lib.apply(graphdef, p, tokens_BT, positions_BT)
-        logp_BT = losses.sequence_logprobs(logits_BTV, tokens_BT)
+        logp_BT, aux = model_lib.logprobs(graphdef, p, tokens_BT, positions_BT)
         return -jnp.sum(logp_BT * mask_BT) / jnp.maximum(jnp.sum(mask_BT), 1.0) + aux.aux_loss
 
     loss, grads = jax.value_and_grad(loss_fn)(params)

@@ -595,3 +595,49 @@ class TestProperties(chex.TestCase):
         free = m & ~clipped & (a != 0) & (np.abs(np.asarray(logp) - np.asarray(old)) < 20)
         assert np.all(g[clipped] == 0)
         assert np.all(g[free] != 0)
+
+
+class TestChunkedLogprobs(parameterized.TestCase):
+    """`sequence_logprobs_from_hidden`: the LM head and log-softmax in chunks of positions give the same
+    log-probs and gradients as the whole [B, T, V] logits, and hold only a chunk's logits at a time."""
+
+    @staticmethod
+    def inputs(B=3, T=13, D=8, V=50, seed=0):
+        k1, k2, k3 = jax.random.split(jax.random.key(seed), 3)
+        h = jax.random.normal(k1, (B, T, D))
+        head = jax.random.normal(k2, (D, V)) * 0.7
+        tokens = jax.random.randint(k3, (B, T), 0, V)
+        return h, head, tokens
+
+    @parameterized.parameters(0, 1, 4, 5, 13, 40)  # none, every position, uneven tail, exact, one, longer than T
+    def test_values_and_gradients_match_the_full_logits(self, chunk):
+        h, head, tokens = self.inputs()
+        w = jax.random.normal(jax.random.key(9), tokens.shape)  # a random linear loss on the log-probs
+
+        def full(h, head):
+            return losses.sequence_logprobs(jnp.einsum("btd,dv->btv", h, head), tokens, 0.8)
+
+        def chunked(h, head):
+            return losses.sequence_logprobs_from_hidden(h, head, tokens, 0.8, chunk)
+
+        want, got = jax.jit(full)(h, head), jax.jit(chunked)(h, head)
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(got[:, 0], 0.0)  # nothing predicts position 0
+        grad = lambda f: jax.jit(jax.grad(lambda *a: jnp.sum(f(*a) * w), argnums=(0, 1)))(h, head)
+        g_want, g_got = grad(full), grad(chunked)
+        chex.assert_trees_all_close(g_got, g_want, rtol=1e-5, atol=1e-6)
+
+    def test_a_chunk_of_logits_is_all_the_backward_pass_holds(self):
+        """The compiled gradient's temporaries: the whole [B, T, V] float32 logits without chunking,
+        a fraction of them with 8 of 128 positions at a time."""
+        B, T, D, V = 2, 128, 16, 4096
+        h, head, tokens = self.inputs(B, T, D, V)
+        logits_bytes = B * T * V * 4
+
+        def temp_bytes(chunk):
+            loss = lambda h, head: jnp.sum(losses.sequence_logprobs_from_hidden(h, head, tokens, 1.0, chunk))
+            compiled = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(h, head).compile()
+            return compiled.memory_analysis().temp_size_in_bytes
+
+        assert temp_bytes(0) >= logits_bytes
+        assert temp_bytes(8) < logits_bytes / 4

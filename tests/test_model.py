@@ -11,8 +11,8 @@ import pytest
 from absl.testing import parameterized
 from flax import nnx
 
+from gspo_jax import losses, moe, sharding
 from gspo_jax import model as model_lib
-from gspo_jax import moe, sharding
 
 B, T = 2, 8
 
@@ -270,6 +270,71 @@ class TestForward(chex.TestCase):
         np.testing.assert_allclose(logits_d, logits_r, atol=0.1, rtol=0.05)
 
 
+def test_chunked_logprobs_equal_the_full_forward():
+    """`model.logprobs` with the head in chunks of 3 positions = `sequence_logprobs` of `apply`'s logits,
+    for values, router top-k and the gradient of every parameter. Tied embeddings: the head's gradient
+    and the embedding lookup's meet in one parameter (the untied head: tests/test_losses.py)."""
+    cfg = dataclasses.replace(model_lib.get_config("tiny"), tie_embeddings=True, dispatch="dense")
+    graphdef, state = model_lib.init(cfg, 0)
+    g_chunked, _ = model_lib.abstract_model(dataclasses.replace(cfg, logprob_chunk=3))
+    tokens, positions = random_tokens(1), arange_positions()
+    w = jax.random.normal(jax.random.key(2), (B, T))
+
+    def full(state):
+        logits, aux = model_lib.apply(graphdef, state, tokens, positions)
+        return losses.sequence_logprobs(logits, tokens, 0.7), aux.topk
+
+    def by_chunks(state):
+        logp, aux = model_lib.logprobs(g_chunked, state, tokens, positions, temperature=0.7)
+        return logp, aux.topk
+
+    (want, topk_want), (got, topk_got) = jax.jit(full)(state), jax.jit(by_chunks)(state)
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-6)
+    np.testing.assert_array_equal(topk_got, topk_want)
+    grad = lambda f: jax.jit(jax.grad(lambda s: jnp.sum(f(s)[0] * w)))(state)
+    chex.assert_trees_all_close(grad(by_chunks), grad(full), rtol=1e-5, atol=1e-6)
+
+
+def test_scoring_in_batch_chunks_equals_the_whole_batch():
+    """`score` with a batch of 32 sharded over 8 devices, in 4 strided chunks of 8: the same log-probs and
+    routing as at once, with and without a replayed routing; each chunk is split over all 8 devices
+    (XLA counts the loop body once: a quarter of the whole batch's FLOPs, not 8 × that), and the
+    result is sharded like the batch."""
+    cfg = dataclasses.replace(model_lib.get_config("tiny"), dispatch="dense")
+    graphdef, state = model_lib.init(cfg, 0)
+    g_chunked, _ = model_lib.abstract_model(dataclasses.replace(cfg, score_chunks=4))
+    mesh = sharding.make_mesh(data=8)
+    b2 = sharding.batch_sharding(mesh, 2)
+    tokens, positions = jax.device_put((random_tokens(3, (32, T)), arange_positions(32)), b2)
+    forced = jax.random.randint(jax.random.key(4), (32, cfg.num_moe_layers, T, cfg.top_k), 0, cfg.num_experts)
+    score = jax.jit(model_lib.score, static_argnums=(0, 1))
+    for replay in (None, forced):
+        want = score(graphdef, 0.9, state, tokens, positions, replay)
+        got = score(g_chunked, 0.9, state, tokens, positions, replay)
+        np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(got[1], want[1])
+        assert got[0].sharding.is_equivalent_to(b2, 2)
+    flops = lambda g: score.lower(g, 0.9, state, tokens, positions, None).compile().cost_analysis()["flops"]
+    assert flops(g_chunked) < 0.3 * flops(graphdef)
+
+
+def test_in_batch_chunks_by_hand():
+    """Piece i of the batch is rows i, i + chunks, ...; results come back in the batch's order."""
+    seen = []
+
+    def fn(x, y):
+        seen.append(x.shape)
+        return x * 10, (y, None)
+
+    x = jnp.arange(6)
+    out, (y, none) = model_lib.in_batch_chunks(fn, 3, x, x + 100)
+    np.testing.assert_array_equal(out, x * 10)
+    np.testing.assert_array_equal(y, x + 100)
+    assert none is None and seen == [(2,)]  # traced once, for a piece of 2 rows
+    first = model_lib.in_batch_chunks(lambda x: jnp.full_like(x, x[0]), 3, x)  # each row: its piece's first
+    np.testing.assert_array_equal(first, [0, 1, 2, 0, 1, 2])
+
+
 def test_layer_runs_by_hand():
     """Consecutive layers of one kind form one stack."""
     assert model_lib.get_config("tiny").layer_runs == ((0, 1), (1, 2))  # dense, then 2 MoE
@@ -285,7 +350,6 @@ class TestLayerStacks(chex.TestCase):
     @chex.variants(with_jit=True, without_jit=True)
     def test_scanned_unrolled_and_remat_agree(self):
         cfg, _, state = tiny_model()
-        cfg = dataclasses.replace(cfg, scan_layers=True)  # the tiny preset unrolls
         tokens, positions = random_tokens(5), arange_positions()
         forced = jax.random.randint(jax.random.key(1), (B, cfg.num_moe_layers, T, 2), 0, 4) * 2 + jnp.array([0, 1])
 
@@ -301,7 +365,6 @@ class TestLayerStacks(chex.TestCase):
         for replay in (None, forced):
             (want, want_aux), want_grad = run(cfg, replay)
             for overrides in (dict(scan_layers=False), dict(remat="full"), dict(remat="save_dots")):
-                assert cfg.scan_layers
                 (got, got_aux), got_grad = run(dataclasses.replace(cfg, **overrides), replay)
                 np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
                 np.testing.assert_array_equal(got_aux[1], want_aux[1])
