@@ -116,8 +116,8 @@ def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigD
         c.rollout.update(num_groups=64, group_size=8)
         c.train.update(num_iterations=500, minibatches=4, learning_rate=1e-6, warmup_steps=10)
         # What makes it fit a v5p-64 slice (README, "Scale"): layers rematerialised, the LM head and
-        # log-softmax over 512 positions at a time, scoring in 4 chunks of the batch, 4 micro-batches.
-        c.model.update(remat="full", logprob_chunk=512, score_chunks=4)
+        # log-softmax over 512 positions at a time, scoring and prefill in 4 chunks of the batch, 4 micro-batches.
+        c.model.update(remat="full", logprob_chunk=512, batch_chunks=4)
         c.train.microbatches = 4
         c.warm_start.update(steps=0)
         c.mesh.update(data=1, fsdp=-1, expert=8, tensor=1)  # -1: whatever devices remain
@@ -165,7 +165,7 @@ def build(c: ml_collections.ConfigDict, device_count: int | None = None) -> Buil
     if c.hf_checkpoint:
         # The checkpoint fixes the architecture; config.model still picks what HF does not describe.
         keep = ("dispatch", "param_dtype", "dtype", "lb_loss_coef", "z_loss_coef")
-        keep += ("scan_layers", "remat", "logprob_chunk", "score_chunks")  # how the model runs
+        keep += ("scan_layers", "remat", "logprob_chunk", "batch_chunks")  # how the model runs
         try:
             model_cfg = hf.config_from_hf(c.hf_checkpoint, **{k: getattr(model_cfg, k) for k in keep})
         except (OSError, ValueError) as e:
@@ -217,11 +217,11 @@ def build(c: ml_collections.ConfigDict, device_count: int | None = None) -> Buil
     check_int("config", "warm_start.steps", w.steps, low=0)
     check_int("config", "warm_start.batch_size", w.batch_size)
     OptimizerConfig.from_config(w, "config.warm_start")
-    chunks = model_cfg.score_chunks
+    chunks = model_cfg.batch_chunks
     check(
         batch % (chunks * t.drift_subsample) == 0,
         "config",
-        "model.score_chunks",
+        "model.batch_chunks",
         chunks,
         f"a divisor of num_groups×group_size={batch} (and of the drift batch, batch / train.drift_subsample)",
     )
@@ -290,9 +290,9 @@ def _check_mesh(
     data = sizes["data"] * sizes["fsdp"]
     for what, size in (
         ("num_groups×group_size", batch),
-        ("a scoring chunk (model.score_chunks)", score_chunk),
+        ("a batch chunk (model.batch_chunks)", score_chunk),
         ("the minibatch", minibatch),
-        ("a drift scoring chunk (train.drift_subsample, model.score_chunks)", drift_batch),
+        ("a drift batch chunk (train.drift_subsample, model.batch_chunks)", drift_batch),
         ("warm_start.batch_size", warm_start_batch),
     ):
         check(size % data == 0, "config", "mesh", dict(sizes), f"data×fsdp={data} must divide {what}={size}")

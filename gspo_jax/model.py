@@ -80,9 +80,9 @@ class ModelConfig:
     # Log-probs (scoring and the loss) run the LM head over this many positions at a time, so [B, T, V]
     # float32 logits never exist at once (`losses.sequence_logprobs_from_hidden`); 0: all at once.
     logprob_chunk: int = 0
-    # The scoring forward (π_old, π_ref, drift: `score`) runs the batch as this many chunks, one after
-    # another, so its activations are a chunk's; 1: the whole batch at once.
-    score_chunks: int = 1
+    # The scoring forward (π_old, π_ref, drift: `score`) and the sampler's prefill run the batch as this
+    # many chunks, one after another, so their activations are a chunk's; 1: the whole batch at once.
+    batch_chunks: int = 1
 
     def __post_init__(self):
         object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
@@ -115,7 +115,7 @@ class ModelConfig:
             check_choice(own, f, getattr(self, f), tuple(DTYPES))
         check_choice(own, "remat", self.remat, tuple(REMAT_POLICIES))
         check_int(own, "logprob_chunk", self.logprob_chunk, low=0)
-        check_int(own, "score_chunks", self.score_chunks, low=1)
+        check_int(own, "batch_chunks", self.batch_chunks, low=1)
 
     def is_moe_layer(self, i: int) -> bool:
         """Qwen3-MoE rule: MoE iff experts exist, (i+1) % moe_every == 0 and i not in dense_layers."""
@@ -617,13 +617,13 @@ def score(
 ) -> tuple[jax.Array, jax.Array]:
     """log-probs of the given tokens at `temperature` (aligned to positions, float32 [B, T]) and the
     router top-k [B, L, T, K]: how the policy scores a rollout (π_old's recompute, π_ref, drift), in
-    `ModelConfig.score_chunks` chunks of the batch. Jit with `graphdef` and `temperature` static."""
+    `ModelConfig.batch_chunks` chunks of the batch. Jit with `graphdef` and `temperature` static."""
 
     def one(tokens_BT, positions_BT, forced_topk_BLTK):
         logp_BT, aux = logprobs(graphdef, state, tokens_BT, positions_BT, forced_topk_BLTK, temperature)
         return logp_BT, aux.topk
 
-    chunks = nnx.merge(graphdef, state).cfg.score_chunks
+    chunks = nnx.merge(graphdef, state).cfg.batch_chunks
     return in_batch_chunks(one, chunks, tokens_BT, positions_BT, forced_topk_BLTK)
 
 

@@ -134,10 +134,9 @@ def _generate(
     # The donated cache of the previous call is reused: emptying its slot positions is enough.
     cache = dataclasses.replace(cache, positions=jnp.full_like(cache.positions, -1), index=jnp.zeros_like(cache.index))
     pos_BP = model_lib.positions_from_mask(prompt_mask_BP)
-    x_BPD, aux = model.hidden(prompt_BP, pos_BP, cache=cache)
-    logits_BV = model.logits(x_BPD[:, -1:])[:, 0]  # only the last position's: never [B, P, V]
+    logits_BV, prompt_topk, cache = _prefill(model, prompt_BP, pos_BP, cache)
     n_prompt_B = jnp.sum(prompt_mask_BP, axis=-1).astype(jnp.int32)
-    _, L, _, K = aux.topk.shape
+    _, L, _, K = prompt_topk.shape
 
     def cond(d: DecodeState):
         return (d.step < C) & ~jnp.all(d.done)
@@ -168,7 +167,7 @@ def _generate(
         body,
         DecodeState(
             step=jnp.zeros((), jnp.int32),
-            cache=aux.cache,
+            cache=cache,
             logits=logits_BV,
             key=key,
             done=jnp.zeros((B,), bool),
@@ -186,9 +185,57 @@ def _generate(
         logp=jnp.concatenate([zeros_BP.astype(jnp.float32), d.logp], axis=1),
         lengths=jnp.sum(d.mask, axis=1).astype(jnp.int32),
         truncated=~d.done,
-        topk=jnp.concatenate([aux.topk, d.topk], axis=2),
+        topk=jnp.concatenate([prompt_topk, d.topk], axis=2),
     )
     return out, d.cache
+
+
+def _prefill(model, prompt_BP, pos_BP, cache: model_lib.KVCache):
+    """The prompts through the model into the cache: (the next token's float32 logits [B, V], the
+    prompts' router top-k [B, L, P, K], the cache). Only the last position's logits are computed, and
+    the batch runs in `ModelConfig.batch_chunks` strided pieces one after another (piece i: rows i,
+    i + n, ...; each spread over the batch's devices), written into the cache in place."""
+    n = model.cfg.batch_chunks
+    if n == 1:
+        x_BPD, aux = model.hidden(prompt_BP, pos_BP, cache=cache)
+        return model.logits(x_BPD[:, -1:])[:, 0], aux.topk, aux.cache
+    B = prompt_BP.shape[0]
+    view = lambda a: a.reshape(B // n, n, *a.shape[1:])  # piece i is view(a)[:, i]; no copy
+    piece = lambda a_bn, i: jax.lax.dynamic_index_in_dim(a_bn, i, axis=1, keepdims=False)
+    put = lambda a_bn, x, i: jax.lax.dynamic_update_index_in_dim(a_bn, x, i, axis=1)
+    prompt, pos = view(prompt_BP), view(pos_BP)
+
+    def body(i, carry):
+        k, v, positions, logits, topk = carry
+        part = model_lib.KVCache(
+            k=tuple(piece(x, i) for x in k),
+            v=tuple(piece(x, i) for x in v),
+            positions=piece(positions, i),
+            index=cache.index,
+        )
+        x_bPD, aux = model.hidden(piece(prompt, i), piece(pos, i), cache=part)
+        c = aux.cache
+        return (
+            tuple(put(x, y, i) for x, y in zip(k, c.k)),
+            tuple(put(x, y, i) for x, y in zip(v, c.v)),
+            put(positions, c.positions, i),
+            put(logits, model.logits(x_bPD[:, -1:])[:, 0], i),
+            put(topk, aux.topk, i),
+        )
+
+    L, K = model.cfg.num_moe_layers, max(model.cfg.top_k, 1)
+    carry = (
+        tuple(map(view, cache.k)),
+        tuple(map(view, cache.v)),
+        view(cache.positions),
+        jnp.zeros((B // n, n, model.cfg.vocab_size), jnp.float32),
+        jnp.zeros((B // n, n, L, prompt_BP.shape[1], K), jnp.int32),
+    )
+    k, v, positions, logits, topk = jax.lax.fori_loop(0, n, body, carry)
+    unview = lambda a: a.reshape(B, *a.shape[2:])
+    P = prompt_BP.shape[1]
+    k, v, positions = tuple(map(unview, k)), tuple(map(unview, v)), unview(positions)
+    return unview(logits), unview(topk), model_lib.KVCache(k=k, v=v, positions=positions, index=cache.index + P)
 
 
 class Sampler:

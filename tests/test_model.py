@@ -302,7 +302,7 @@ def test_scoring_in_batch_chunks_equals_the_whole_batch():
     result is sharded like the batch."""
     cfg = dataclasses.replace(model_lib.get_config("tiny"), dispatch="dense")
     graphdef, state = model_lib.init(cfg, 0)
-    g_chunked, _ = model_lib.abstract_model(dataclasses.replace(cfg, score_chunks=4))
+    g_chunked, _ = model_lib.abstract_model(dataclasses.replace(cfg, batch_chunks=4))
     mesh = sharding.make_mesh(data=8)
     b2 = sharding.batch_sharding(mesh, 2)
     tokens, positions = jax.device_put((random_tokens(3, (32, T)), arange_positions(32)), b2)

@@ -71,8 +71,8 @@ def rows(path: Path) -> list[int]:
         ("task.digits", 0, "digits"),
         ("train.drift_subsample", 3, "drift_subsample"),  # not a divisor of the batch of 8
         ("train.drift_subsample", 0, "drift_subsample"),
-        ("model.score_chunks", 3, "score_chunks"),  # not a divisor of the batch of 8
-        ("model.score_chunks", 0, "score_chunks"),
+        ("model.batch_chunks", 3, "batch_chunks"),  # not a divisor of the batch of 8
+        ("model.batch_chunks", 0, "batch_chunks"),
         ("model.logprob_chunk", -1, "logprob_chunk"),
     ],
 )
@@ -93,11 +93,11 @@ def test_mesh_data_axes_must_divide_every_batch():
     c.mesh.update(data=4, fsdp=1)
     build(c)
     c.train.drift_subsample = 4  # a drift batch of 2 cannot be split over 4
-    with pytest.raises(ConfigError, match=r"must divide a drift scoring chunk \(train.drift_subsample, model.sc"):
+    with pytest.raises(ConfigError, match=r"must divide a drift batch chunk \(train.drift_subsample, model.ba"):
         build(c)
     c.train.drift_subsample = 1
-    c.model.score_chunks = 4  # scoring chunks of 2 cannot be split over 4 either
-    with pytest.raises(ConfigError, match=r"must divide a scoring chunk \(model.score_chunks\)=2"):
+    c.model.batch_chunks = 4  # batch chunks of 2 cannot be split over 4 either
+    with pytest.raises(ConfigError, match=r"must divide a batch chunk \(model.batch_chunks\)=2"):
         build(c)
 
 

@@ -1,6 +1,7 @@
 """The sampler against the full forward: greedy decoding, log-probs, router top-k, EOS, truncation,
 top-k / top-p support, compile counts and sharding."""
 
+import dataclasses
 import functools
 
 import chex
@@ -129,6 +130,25 @@ def test_sharded_sampler_equals_unsharded(setup):
         np.testing.assert_allclose(a.logp, b.logp, atol=1e-5)
         np.testing.assert_array_equal(a.topk, b.topk)
     assert b.tokens.sharding.spec[0] == ("data", "fsdp")
+
+
+def test_prefill_in_batch_chunks_changes_nothing(setup):
+    """`batch_chunks=2` on a sharded batch: the prefill runs rows (0, 2) then (1, 3) into the cache in
+    place; the samples, log-probs, routing and the cache handed back equal the one-piece prefill's."""
+    cfg, graphdef, state, tokens, mask, _, _ = setup
+    mesh = sharding.make_mesh(data=2, expert=2, tensor=2)
+    sharded_state = jax.device_put(state, sharding.param_shardings(mesh, state))
+    chunked_cfg = dataclasses.replace(cfg, batch_chunks=2)
+    chunked_graphdef, _ = model_lib.abstract_model(chunked_cfg)
+    one = Sampler(graphdef, cfg, B, P, N, max_top_k=16, mesh=mesh, state=state)
+    two = Sampler(chunked_graphdef, chunked_cfg, B, P, N, max_top_k=16, mesh=mesh, state=state)
+    for t in (0.0, 1.0):
+        a = one(sharded_state, tokens, mask, jax.random.key(5), temperature=t)
+        b = two(sharded_state, tokens, mask, jax.random.key(5), temperature=t)
+        np.testing.assert_array_equal(a.tokens, b.tokens)
+        np.testing.assert_allclose(a.logp, b.logp, rtol=1e-6, atol=1e-6)
+        np.testing.assert_array_equal(a.topk, b.topk)
+    chex.assert_trees_all_close(one._cache, two._cache, rtol=1e-6, atol=1e-6)
 
 
 # ------------------------------------------------------------------ the sampling distribution
