@@ -53,6 +53,11 @@ class Row:
     # Set when XLA refused to compile for lack of HBM: then temp_bytes is what it said the temporaries
     # need, argument_bytes the arguments' shards, and outputs are not known (0).
     refused: str = ""
+    # XLA's own count (`cost_analysis`) for one chip. It counts a loop body once, so it is comparable
+    # with `flops / chips` only for a program without loops (scan_layers=False, one micro-batch, no
+    # chunks); a ratio well above 1 there means chips repeat each other's work.
+    xla_flops_per_chip: float = 0.0
+    chips: int = 1
 
     @property
     def total_bytes(self) -> int:
@@ -99,8 +104,10 @@ def _row(program, mesh, shape, lower, args, hbm, flops_, peak, chips) -> Row:
     t0 = time.perf_counter()
     common = dict(program=program, mesh=mesh, shape=shape, hbm_bytes=int(hbm * GIB), flops=flops_)
     common["seconds_at_mfu"] = flops_ / (MFU * peak * chips)
+    common["chips"] = chips
     try:
-        m = lower(*args).compile().memory_analysis()
+        compiled = lower(*args).compile()
+        m = compiled.memory_analysis()
     except jax.errors.JaxRuntimeError as e:
         need = re.search(r"HLO temporaries \(([\d.]+)([KMGTP]?)\)", str(e))
         if "RESOURCE_EXHAUSTED" not in str(e) or need is None:
@@ -120,8 +127,15 @@ def _row(program, mesh, shape, lower, args, hbm, flops_, peak, chips) -> Row:
         alias_bytes=m.alias_size_in_bytes,
         temp_bytes=m.temp_size_in_bytes,
         compile_seconds=time.perf_counter() - t0,
+        xla_flops_per_chip=_xla_flops(compiled),
         **common,
     )
+
+
+def _xla_flops(compiled) -> float:
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    return float((cost or {}).get("flops", 0.0))
 
 
 def compile_report(config, topology: str, programs: tuple[str, ...] = PROGRAMS) -> list[Row]:
@@ -175,8 +189,8 @@ def format_report(rows: list[Row], topology: str, microbatches: int, remat: str)
     gib = lambda b: f"{b / GIB:.2f}"
     lines = [
         "| topology | mesh | program | shape | micro-batches | remat | args GiB | out GiB | temp GiB | total GiB "
-        "| HBM | fits | compile s | TFLOP/step | s at 40% MFU |",
-        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
+        "| HBM | fits | compile s | TFLOP/step | s at 40% MFU | XLA FLOPs × chips / analytic |",
+        "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |",
     ]
     for r in rows:
         fits = "yes" if r.fits else f"NO ({r.refused})" if r.refused else "NO"
@@ -184,6 +198,7 @@ def format_report(rows: list[Row], topology: str, microbatches: int, remat: str)
             f"| {topology} | {r.mesh} | {r.program} | {r.shape} | {microbatches if r.program == 'train_step' else '-'} "
             f"| {remat} | {gib(r.argument_bytes)} | {gib(r.output_bytes - r.alias_bytes)} | {gib(r.temp_bytes)} "
             f"| {gib(r.total_bytes)} | {r.hbm_fraction:.0%} of {gib(r.hbm_bytes)} | {fits} "
-            f"| {r.compile_seconds:.1f} | {r.flops / 1e12:.3g} | {r.seconds_at_mfu:.3g} |"
+            f"| {r.compile_seconds:.1f} | {r.flops / 1e12:.3g} | {r.seconds_at_mfu:.3g} "
+            f"| {f'{r.xla_flops_per_chip * r.chips / r.flops:.2f}' if r.flops and r.xla_flops_per_chip else '-'} |"
         )
     return "\n".join(lines)

@@ -3,6 +3,7 @@ Needs libtpu, which `.ci/run` installs with the `tpu` extra; no TPU is attached.
 compiler and is loaded only in the script's own process, never in the test process (loaded beside the
 CPU backend's compiler, later CPU compiles in the same process crashed)."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -46,6 +47,7 @@ def test_every_program_compiles_for_a_slice_and_fits(tmp_path):
         assert r["mesh"] == "fsdp=2×expert=2" and not r["refused"]
         assert r["flops"] == want_flops[r["program"]]
         assert r["seconds_at_mfu"] == pytest.approx(r["flops"] / (0.4 * peak * 4))
+        assert r["chips"] == 4 and r["xla_flops_per_chip"] > 0
     assert rows[0]["alias_bytes"] > 0  # the donated train state is updated in place
     table = [line for line in p.stdout.splitlines() if line.startswith("| v5p:2x2x1 |")]
     assert len(table) == 3 and all("| fsdp=2×expert=2 |" in line and "| yes |" in line for line in table)
@@ -59,6 +61,9 @@ def test_row_arithmetic_by_hand():
     assert not aot.Row("score", "fsdp=2", "", 10, 0, 0, 1, 110, 1.0, 0.0, 0.0, refused="XLA: out of HBM").fits
     table = aot.format_report([r], "v5p:2x2x1", 4, "full").splitlines()
     assert len(table) == 3 and table[2].startswith("| v5p:2x2x1 | fsdp=2 | score | 1 × 1 | - | full |")
+    assert table[2].endswith("| - |")  # no XLA count, no ratio
+    r = dataclasses.replace(r, xla_flops_per_chip=3e12, chips=4)  # 12e12 on the slice for 8e12 of work
+    assert aot.format_report([r], "v5p:2x2x1", 4, "full").splitlines()[2].endswith("| 1.50 |")
 
 
 @pytest.mark.parametrize(
