@@ -229,10 +229,11 @@ def build(c: ml_collections.ConfigDict, device_count: int | None = None) -> Buil
         c.mesh,
         batch=batch,
         score_chunk=batch // chunks,
-        minibatch=batch // t.minibatches,
+        microbatch=batch // (t.minibatches * t.microbatches),
         drift_batch=batch // (t.drift_subsample * chunks),
         warm_start_batch=w.batch_size,
         devices=jax.device_count() if device_count is None else device_count,
+        num_experts=model_cfg.num_experts if model_cfg.num_moe_layers else 0,
     )
     tokenizer = load_tokenizer(c.tokenizer_path or None)
     bos = 0 if tokenizer.bos_token_id is None else 1
@@ -267,10 +268,11 @@ def _check_mesh(
     *,
     batch: int,
     score_chunk: int,
-    minibatch: int,
+    microbatch: int,
     drift_batch: int,
     warm_start_batch: int,
     devices: int,
+    num_experts: int,
 ) -> None:
     """Axis sizes against the devices present, and the data axes against every batch they split."""
     sizes = {k: mesh[k] for k in ("data", "fsdp", "expert", "tensor")}
@@ -287,12 +289,20 @@ def _check_mesh(
         f"there are {n} devices",
     )
     sizes = {k: (n // known if v == -1 else v) for k, v in sizes.items()}
-    data = sizes["data"] * sizes["fsdp"]
+    data = sizes["data"] * sizes["fsdp"] * sizes["expert"]  # sharding.DATA_AXES
     for what, size in (
         ("num_groups×group_size", batch),
         ("a batch chunk (model.batch_chunks)", score_chunk),
-        ("the minibatch", minibatch),
+        ("a micro-batch (train.minibatches, train.microbatches)", microbatch),
         ("a drift batch chunk (train.drift_subsample, model.batch_chunks)", drift_batch),
         ("warm_start.batch_size", warm_start_batch),
     ):
-        check(size % data == 0, "config", "mesh", dict(sizes), f"data×fsdp={data} must divide {what}={size}")
+        check(size % data == 0, "config", "mesh", dict(sizes), f"data×fsdp×expert={data} must divide {what}={size}")
+    if num_experts and sizes["expert"] > 1:  # expert parallelism gives each expert shard E / expert of them
+        check(
+            num_experts % sizes["expert"] == 0,
+            "config",
+            "mesh.expert",
+            sizes["expert"],
+            f"a divisor of model.num_experts={num_experts}",
+        )

@@ -31,6 +31,9 @@ from gspo_jax.losses import sequence_logprobs_from_hidden
 from gspo_jax.validation import check, check_choice, check_int, check_number
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+# The residual stream's logical axes: sequences split over every data axis (`sharding.DATA_AXES`),
+# features whole, between layers and at the LM head.
+ACTIVATION = ("batch", None, None)
 # Large finite negative for masked attention scores: a fully masked row stays finite.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -422,6 +425,7 @@ class Block(nnx.Module):
 
     def __call__(self, x_BTD, positions_BT, rope, kv=None, forced_topk_BTK=None):
         """Returns (x, new_kv, router stats or None)."""
+        x_BTD = sharding.constrain(x_BTD, ACTIVATION)
         h_BTD, new_kv = self.self_attn(self.input_layernorm(x_BTD), positions_BT, rope, kv)
         x_BTD = x_BTD + h_BTD
         h_BTD = self.post_attention_layernorm(x_BTD)
@@ -429,7 +433,7 @@ class Block(nnx.Module):
             h_BTD, stats = self.mlp(h_BTD, positions_BT >= 0, forced_topk_BTK)
         else:
             h_BTD, stats = self.mlp(h_BTD), None
-        return x_BTD + h_BTD.astype(x_BTD.dtype), new_kv, stats
+        return sharding.constrain(x_BTD + h_BTD.astype(x_BTD.dtype), ACTIVATION), new_kv, stats
 
 
 class Stack(nnx.Module):
@@ -537,7 +541,7 @@ class Transformer(nnx.Module):
         if forced_topk is not None:
             chex.assert_shape(forced_topk, (B, L, T, K), custom_message="forced_topk must be [B, L, T, K]")
         positions_BT = positions_BT.astype(jnp.int32)
-        x_BTD = jnp.take(self.embed_tokens[...], tokens_BT, axis=0).astype(dtype)
+        x_BTD = sharding.constrain(jnp.take(self.embed_tokens[...], tokens_BT, axis=0).astype(dtype), ACTIVATION)
         if cache is not None:
             index = cache.index.astype(jnp.int32)
             key_pos_BS = jax.lax.dynamic_update_slice(cache.positions, positions_BT, (jnp.zeros((), jnp.int32), index))
@@ -558,7 +562,7 @@ class Transformer(nnx.Module):
             if s is not None:
                 stats.append(s)
                 moe_seen += n
-        x_BTD = self.norm(x_BTD)
+        x_BTD = sharding.constrain(self.norm(x_BTD), ACTIVATION)
 
         if stats:
             topk_BLTK = jnp.concatenate([s.topk_BTK for s in stats], axis=0).transpose(1, 0, 2, 3)
@@ -633,9 +637,19 @@ def in_batch_chunks(fn, chunks: int, *args):
     over the devices the batch is sharded on, not held by a few of them. `None` args pass through."""
     if chunks == 1:
         return fn(*args)
-    split = lambda x: x.reshape(x.shape[0] // chunks, chunks, *x.shape[1:]).swapaxes(0, 1)
-    merge = lambda y: y.swapaxes(0, 1).reshape(-1, *y.shape[2:])
-    return jax.tree.map(merge, jax.lax.map(lambda a: fn(*a), jax.tree.map(split, args)))
+    pieces = jax.tree.map(lambda x: split_batch(x, chunks), args)
+    return jax.tree.map(merge_batch, jax.lax.map(lambda a: fn(*a), pieces))
+
+
+def split_batch(x: jax.Array, chunks: int) -> jax.Array:
+    """[B, ...] -> [chunks, B / chunks, ...], piece i holding rows i, i + chunks, ... (each device of a
+    batch split over the mesh keeps its own rows: no piece lives on a few devices)."""
+    return x.reshape(x.shape[0] // chunks, chunks, *x.shape[1:]).swapaxes(0, 1)
+
+
+def merge_batch(y: jax.Array) -> jax.Array:
+    """Inverse of `split_batch`."""
+    return y.swapaxes(0, 1).reshape(-1, *y.shape[2:])
 
 
 def logprobs(

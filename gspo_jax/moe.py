@@ -1,10 +1,13 @@
 """Dropless sparse Mixture-of-Experts feed-forward: float32 router, top-k with optional
-renormalisation, routing replay, three dispatch paths, load-balancing and z losses.
-Shape letters: `gspo_jax/__init__.py` (E experts, K chosen per token, F expert width).
+renormalisation, routing replay, three dispatch paths, expert parallelism, load-balancing and z
+losses. Shape letters: `gspo_jax/__init__.py` (E experts, K chosen per token, F expert width).
 
 Dropless means every token reaches its k experts whatever the rest of the batch is,
 so a token's output never depends on other tokens: log-probs are exact and routing
 replay is well defined.
+
+Every dispatch path reads an expert index equal to E as "no expert": that row's output is zero
+(the expert-parallel exchange uses it for the empty slots of its buffers).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from gspo_jax import sharding
 from gspo_jax.validation import check, check_choice
@@ -184,7 +188,8 @@ def _for_each_block(layout: BlockLayout, num_experts: int, body, carry):
             start = layout.block_end_E[e - 1] if e else 0
             carry = jax.lax.fori_loop(start, layout.block_end_E[e], functools.partial(body, e=e), carry)
         return carry
-    return jax.lax.fori_loop(0, layout.num_blocks, lambda i, c: body(i, c, e=layout.expert_NB[i]), carry)
+    end = layout.block_end_E[num_experts - 1]  # the blocks of "no expert" (index E), if any, are skipped
+    return jax.lax.fori_loop(0, end, lambda i, c: body(i, c, e=layout.expert_NB[i]), carry)
 
 
 def _rows(x_RD, i, b):
@@ -287,7 +292,8 @@ def sparse_experts(x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF, w_down_EFD,
     K, E = topk_BTK.shape[-1], w_gate_EDF.shape[0]
     dtype = x_BTD.dtype
     b = block or sparse_block_size(B * T * K, E)
-    layout = block_layout(topk_BTK.reshape(B * T, K).astype(jnp.int32), E, b)
+    # E + 1 groups: rows routed to "no expert" (index E) get blocks of their own that no loop visits.
+    layout = block_layout(topk_BTK.reshape(B * T, K).astype(jnp.int32), E + 1, b)
     y_ND = _sparse_experts(
         b,
         layout,
@@ -298,6 +304,59 @@ def sparse_experts(x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF, w_down_EFD,
         w_down_EFD.astype(dtype),
     )
     return y_ND.reshape(B, T, D)
+
+
+def expert_parallel(experts, mesh, x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF, w_down_EFD):
+    """Expert parallelism with an explicit all-to-all (`jax.shard_map` over `mesh`): the tokens are split
+    over every data axis (`sharding.DATA_AXES`), the experts over "expert" (S shards of E/S each).
+
+    Each device puts each of its (token, choice) assignments in the slot block of the shard that holds
+    the chosen expert, one all-to-all delivers the blocks, `experts` (a dispatch path: dense, ragged or
+    sparse) runs the received rows on the device's own experts, a second all-to-all brings the outputs
+    home and the gates mix them there. Dropless: a block has room for every assignment of the sender,
+    C = tokens × min(K, E/S), so no routing overflows it; a token's output is computed from its own row
+    only, as in the single-device paths. Expert weights arrive whole along "fsdp" (gathered at the
+    boundary, their gradients reduce-scattered back) and split along "tensor" over F (outputs summed).
+    """
+    B, T, D = x_BTD.shape
+    K, E = topk_BTK.shape[-1], w_gate_EDF.shape[0]
+    S, R = mesh.shape["expert"], mesh.shape["tensor"]
+    check(E % S == 0, "expert_parallel", "num_experts", E, f"a multiple of the mesh's expert axis ({S})")
+    El = E // S
+    N, ways = B * T, sharding.data_size(mesh)
+    pad = -N % ways  # rows routed to "no expert" (index E) make the tokens split evenly
+    x_ND = jnp.pad(x_BTD.reshape(N, D), ((0, pad), (0, 0)))
+    topk_NK = jnp.pad(topk_BTK.reshape(N, K).astype(jnp.int32), ((0, pad), (0, 0)), constant_values=E)
+    gates_NK = jnp.pad(gates_BTK.reshape(N, K), ((0, pad), (0, 0)))
+    f_ax = "tensor" if R > 1 and w_gate_EDF.shape[-1] % R == 0 else None
+
+    def local(x_nD, topk_nK, gates_nK, w_gate, w_up, w_down):
+        n = x_nD.shape[0]
+        C = n * min(K, El)
+        expert_A = topk_nK.reshape(-1)
+        dest_A = expert_A // El  # S for "no expert"
+        # An assignment's slot: its destination's block, then its rank among the assignments sent there.
+        rank_A = jnp.cumsum(jax.nn.one_hot(dest_A, S, dtype=jnp.int32), axis=0)
+        rank_A = jnp.take_along_axis(rank_A, jnp.minimum(dest_A, S - 1)[:, None], axis=1)[:, 0] - 1
+        slot_A = jnp.where(dest_A < S, dest_A * C + rank_A, S * C)  # S·C: nowhere (dropped writes)
+        token_R = jnp.full((S * C,), n, jnp.int32).at[slot_A].set(jnp.arange(n * K, dtype=jnp.int32) // K, mode="drop")
+        local_R = jnp.full((S * C,), El, jnp.int32).at[slot_A].set(expert_A % El, mode="drop")
+        send_RD = jnp.concatenate([x_nD, jnp.zeros_like(x_nD[:1])])[token_R]
+        exchange = functools.partial(jax.lax.all_to_all, axis_name="expert", split_axis=0, concat_axis=0, tiled=True)
+        recv_RD, recv_R = exchange(send_RD), exchange(local_R)
+        y_RD = experts(recv_RD[None], recv_R[None, :, None], jnp.ones((1, S * C, 1), jnp.float32), w_gate, w_up, w_down)
+        y_RD = jax.lax.psum(y_RD[0], "tensor") if f_ax else y_RD[0]
+        back_RD = exchange(y_RD)
+        y_AD = jnp.concatenate([back_RD, jnp.zeros_like(back_RD[:1])])[slot_A]
+        y_nD = jnp.einsum("nkd,nk->nd", y_AD.reshape(n, K, D), gates_nK, preferred_element_type=jnp.float32)
+        return y_nD.astype(x_nD.dtype)
+
+    tokens = P(sharding.DATA_AXES, None)
+    w_in, w_out = P("expert", None, f_ax), P("expert", f_ax, None)
+    y_ND = jax.shard_map(
+        local, mesh=mesh, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out), out_specs=tokens, check_vma=False
+    )(x_ND, topk_NK, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD)
+    return y_ND[:N].reshape(B, T, D)
 
 
 class MoE(nnx.Module):
@@ -350,6 +409,9 @@ class MoE(nnx.Module):
         logits_BTE = jnp.einsum("btd,de->bte", x_BTD.astype(jnp.float32), self.router[...].astype(jnp.float32))
         topk_BTK, gates_BTK, probs_BTE = route(logits_BTE, self.top_k, self.renormalize, forced_topk_BTK)
         experts = {"dense": dense_experts, "ragged": ragged_experts, "sparse": sparse_experts}[self.dispatch]
+        mesh = jax.sharding.get_abstract_mesh()
+        if not mesh.empty and mesh.shape["expert"] > 1:  # traced `sharding.under_mesh` an expert-parallel mesh
+            experts = functools.partial(expert_parallel, experts, mesh)
         y_BTD = experts(
             x_BTD.astype(self.dtype),
             topk_BTK,

@@ -289,7 +289,7 @@ class Sampler:
             )
             self._in_shardings = (state_sh, self._cache_sharding, b2, b2, rep, rep, rep, rep, rep, rep)
             self._fn = jax.jit(
-                _generate,
+                sharding_lib.under_mesh(_generate, mesh),
                 static_argnums=(0, 1, 2),
                 donate_argnums=(4,),
                 in_shardings=self._in_shardings,

@@ -1,6 +1,7 @@
-"""Logical-axis sharding: one rules table maps parameter axis names onto a
+"""Logical-axis sharding: one rules table maps parameter and activation axis names onto a
 ("data", "fsdp", "expert", "tensor") mesh; helpers give `NamedSharding`s for
-params, optimizer state, batches and the KV cache, for `jax.jit` in/out shardings.
+params, optimizer state, batches and the KV cache, for `jax.jit` in/out shardings, and
+sharding constraints for activations inside a program traced `under_mesh`.
 
 Every parameter is an `nnx.Param` whose `out_sharding` metadata holds its logical
 axis names (see `param`); nothing here knows the model's structure.
@@ -8,6 +9,7 @@ axis names (see `param`); nothing here knows the model's structure.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,6 +21,9 @@ from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
+# The mesh axes that split a batch. Outside the MoE block the expert axis carries data too: its
+# devices hold different sequences, not copies of the same attention.
+DATA_AXES = ("data", "fsdp", "expert")
 
 # Logical axis names a parameter (or activation) dimension may carry.
 LOGICAL_AXES = (
@@ -37,7 +42,7 @@ LOGICAL_AXES = (
 
 # The one rules table: logical axis -> mesh axis (or tuple of mesh axes, or None).
 RULES: tuple[tuple[str, Any], ...] = (
-    ("batch", ("data", "fsdp")),
+    ("batch", DATA_AXES),
     ("embed", "fsdp"),
     ("vocab", "tensor"),
     ("heads", "tensor"),
@@ -199,12 +204,42 @@ def opt_state_shardings(mesh: Mesh, opt_state_abstract, param_shardings_tree):
 
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
-    """Leading (batch) dimension over ("data", "fsdp"); the rest replicated."""
-    return NamedSharding(mesh, P(("data", "fsdp"), *([None] * (ndim - 1))))
+    """Leading (batch) dimension over every data axis (`DATA_AXES`); the rest replicated.
+    `config.build` checks that their product divides every batch a run splits."""
+    return NamedSharding(mesh, P(DATA_AXES, *([None] * (ndim - 1))))
+
+
+def data_size(mesh) -> int:
+    """How many ways a batch is split: the product of the data axes' sizes."""
+    return math.prod(mesh.shape[a] for a in DATA_AXES)
+
+
+def constrain(x: jax.Array, names: Sequence[str | None], rules: Sequence[tuple[str, Any]] = RULES) -> jax.Array:
+    """`x` constrained to the sharding of its logical axis `names` on the mesh the program is traced
+    under (`under_mesh`); unchanged when there is none. Mesh axes that do not divide a dimension are
+    left out, so one call serves every shape."""
+    mesh = jax.sharding.get_abstract_mesh()
+    if mesh.empty:
+        return x
+    return jax.lax.with_sharding_constraint(x, logical_to_spec(names, rules, x.shape, mesh))
+
+
+@functools.cache
+def under_mesh(fn: Callable, mesh: Mesh) -> Callable:
+    """`fn` traced with `mesh` as the context mesh, so `constrain` and the expert-parallel MoE see it.
+    Jit the result with in/out shardings on the same mesh. Cached, so equal (fn, mesh) pairs give
+    the same function and share a jit's compilations."""
+
+    @functools.wraps(fn)
+    def traced(*args, **kwargs):
+        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+            return fn(*args, **kwargs)
+
+    return traced
 
 
 def cache_shardings(mesh: Mesh, cache, rules: Sequence[tuple[str, Any]] = RULES):
-    """Shardings for a `model.KVCache`: batch over ("data","fsdp"), kv heads over "tensor"."""
+    """Shardings for a `model.KVCache`: batch over the data axes, kv heads over "tensor"."""
     kv = ("batch", "kv_heads", "cache_seq", "head_dim")  # each layer's
 
     def ns(names, x):

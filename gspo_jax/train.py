@@ -131,7 +131,7 @@ def train_step(
     cfg, M = static.loss, static.microbatches
     tx = optimizer_lib.make_optimizer(static.optimizer, static.total_steps)
     denom = losses.loss_denominator(cfg, batch.loss_mask)
-    micro = jax.tree.map(lambda x: x.reshape(M, x.shape[0] // M, *x.shape[1:]), batch)
+    micro = jax.tree.map(lambda x: model_lib.split_batch(x, M), batch)  # strided: see `split_batch`
 
     def loss_fn(params, mb: TrainBatch):
         forced = mb.topk if static.replay and not static.on_policy else None
@@ -149,9 +149,9 @@ def train_step(
 
     grads, (stacked, scored) = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, state.params), micro)
     if scored is not None:
-        scored = jax.tree.map(lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:]), scored)
+        scored = jax.tree.map(model_lib.merge_batch, scored)
     metrics = metrics_lib.reduce(stacked)
-    grad_norm = optax.global_norm(grads)
+    grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
     # Skip the update if anything it would write is not finite (the loss and gradient, but also an
@@ -229,15 +229,18 @@ def compile_programs(config, built: config_lib.Built, graphdef, params, mesh) ->
     )
     # Module-level functions with their static arguments marked, not closures: equal configs (a run
     # resumed in the same process) reuse the compilation.
+    on_mesh = functools.partial(sharding_lib.under_mesh, mesh=mesh)
     step = jax.jit(
-        train_step,
+        on_mesh(train_step),
         static_argnums=0,
         in_shardings=(state_sh, batch_sh),
         out_shardings=(state_sh, None, Scored(b2, bs(4)) if static.on_policy else None),
         donate_argnums=1,
     )
-    score = jax.jit(model_lib.score, static_argnums=(0, 1), in_shardings=(param_sh, b2, b2), out_shardings=(b2, bs(4)))
-    drift = jax.jit(routing.measure_drift, static_argnums=(0, 1), in_shardings=(param_sh, batch_sh))
+    score = jax.jit(
+        on_mesh(model_lib.score), static_argnums=(0, 1), in_shardings=(param_sh, b2, b2), out_shardings=(b2, bs(4))
+    )
+    drift = jax.jit(on_mesh(routing.measure_drift), static_argnums=(0, 1), in_shardings=(param_sh, batch_sh))
     return Programs(
         train_step=functools.partial(step, static),
         score=functools.partial(score, graphdef, temperature),

@@ -80,7 +80,7 @@ def train_on_demonstrations(config, graphdef, params, *, mesh, rollout: Rollout)
     b2 = sharding_lib.batch_sharding(mesh, 2)
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     step = jax.jit(
-        functools.partial(sft_step, graphdef, tx),
+        sharding_lib.under_mesh(functools.partial(sft_step, graphdef, tx), mesh),
         donate_argnums=(0, 1),
         in_shardings=(param_sh, opt_sh, b2, b2, b2),
         out_shardings=(param_sh, opt_sh, rep),

@@ -494,6 +494,75 @@ class TestSparseDispatch(chex.TestCase):
         assert all(float(jnp.abs(g).max()) > 0 for g in g_s)
 
 
+class TestExpertParallel(chex.TestCase):
+    """The all-to-all expert-parallel MoE (`moe.expert_parallel`) on the fake 8-device mesh against the
+    single-device dense path, in values and gradients."""
+
+    @parameterized.named_parameters(("dense", "dense"), ("ragged", "ragged"), ("sparse", "sparse"))
+    def test_no_expert_index_gives_zero_rows(self, dispatch):
+        # Index E ("no expert") is how the exchange marks empty slots: such a row outputs exactly 0 and
+        # the other rows are what they would be without it.
+        ks = jax.random.split(jax.random.key(7), 5)
+        E, D, F = 4, 8, 6
+        x = jax.random.normal(ks[0], (1, 10, D))
+        w = [jax.random.normal(k, s) for k, s in zip(ks[1:4], [(E, D, F), (E, D, F), (E, F, D)])]
+        topk = jax.random.randint(ks[4], (1, 10, 1), 0, E)
+        none = jnp.arange(10)[None, :, None] % 3 == 0
+        fn = {"dense": moe.dense_experts, "ragged": moe.ragged_experts, "sparse": moe.sparse_experts}[dispatch]
+        ones = jnp.ones((1, 10, 1))
+        y = fn(x, jnp.where(none, E, topk), ones, *w)
+        y_all = fn(x, topk, ones, *w)
+        np.testing.assert_array_equal(np.asarray(y)[0, ::3], 0.0)
+        keep = np.asarray(~none[0, :, 0])
+        np.testing.assert_allclose(np.asarray(y)[0, keep], np.asarray(y_all)[0, keep], atol=1e-5, rtol=1e-5)
+
+    @parameterized.named_parameters(
+        ("fsdp2_ep4_sparse", dict(fsdp=2, expert=4), "sparse", (4, 6), "random"),
+        ("ep8_ragged", dict(expert=8), "ragged", (4, 6), "random"),
+        ("dp2_ep2_tp2_dense", dict(data=2, expert=2, tensor=2), "dense", (4, 6), "random"),
+        ("ep4_tp2_sparse_skewed", dict(expert=4, tensor=2), "sparse", (4, 6), "skewed"),
+        ("fsdp2_ep4_ragged_padded", dict(fsdp=2, expert=4), "ragged", (2, 5), "random"),  # 10 tokens, 8 devices
+    )
+    def test_matches_dense_values_and_gradients(self, axes, dispatch, shape, routing):
+        E, K, D, F = 8, 2, 16, 8
+        ks = jax.random.split(jax.random.key(3), 6)
+        x = jax.random.normal(ks[0], (*shape, D))
+        w = [jax.random.normal(k, s) * s[-2] ** -0.5 for k, s in zip(ks[1:4], [(E, D, F), (E, D, F), (E, F, D)])]
+        logits = jax.random.normal(ks[4], (*shape, E))
+        if routing == "skewed":  # every token picks experts 2 and 3, both on one expert shard
+            logits = logits.at[..., 2:4].add(100.0)
+        topk, gates, _ = moe.route(logits, K, True)
+        local = {"dense": moe.dense_experts, "ragged": moe.ragged_experts, "sparse": moe.sparse_experts}[dispatch]
+
+        def loss(experts, x, gates, *w):
+            y = experts(x, topk, gates, *w)
+            return jnp.sum(jnp.sin(y)), y
+
+        grad = lambda experts: jax.value_and_grad(
+            functools.partial(loss, experts), argnums=(0, 1, 2, 3, 4), has_aux=True
+        )
+        (l_d, y_d), g_d = grad(moe.dense_experts)(x, gates, *w)
+
+        mesh = sharding.make_mesh(**axes)
+        ep = lambda *a: moe.expert_parallel(local, jax.sharding.get_abstract_mesh(), *a)
+        rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        fn = jax.jit(sharding.under_mesh(grad(ep), mesh), in_shardings=rep, out_shardings=rep)
+        assert "all-to-all" in fn.lower(x, gates, *w).compile().as_text()  # tokens really travel
+        (l_e, y_e), g_e = fn(x, gates, *w)
+        np.testing.assert_allclose(y_e, y_d, atol=1e-5, rtol=1e-5)
+        np.testing.assert_allclose(l_e, l_d, rtol=1e-5)
+        chex.assert_trees_all_close(g_e, g_d, atol=1e-5, rtol=1e-4)
+        assert all(float(jnp.abs(g).max()) > 0 for g in g_e)
+
+    def test_experts_must_divide_over_the_expert_axis(self):
+        mesh = sharding.make_mesh(expert=8)
+        x, w = jnp.zeros((1, 8, 4)), jnp.zeros((4, 4, 2))
+        with pytest.raises(ValueError, match="num_experts"):
+            moe.expert_parallel(
+                moe.dense_experts, mesh, x, jnp.zeros((1, 8, 1), jnp.int32), jnp.ones((1, 8, 1)), w, w, w
+            )
+
+
 # ------------------------------------------------------------------ KV cache
 
 
@@ -658,11 +727,15 @@ class TestSharding(chex.TestCase):
         ("dp_ep_tp_dense", dict(data=2, expert=2, tensor=2), "dense"),
         ("fsdp_ep_tp_ragged", dict(fsdp=2, expert=2, tensor=2), "ragged"),
         ("dp_ep_tp_sparse", dict(data=2, expert=2, tensor=2), "sparse"),
+        ("fsdp_ep_all_to_all_ragged", dict(fsdp=2, expert=4), "ragged", True),
+        ("dp_ep_tp_all_to_all_sparse", dict(data=2, expert=2, tensor=2), "sparse", True),
     )
-    def test_sharded_forward_matches_single_device(self, axes, dispatch):
+    def test_sharded_forward_matches_single_device(self, axes, dispatch, on_mesh=False):
+        """Auto-partitioned, and (`on_mesh`) traced under the mesh: activation constraints and the
+        expert-parallel all-to-all MoE."""
         cfg, _, state = tiny_model()
         graphdef, _ = build(dataclasses.replace(cfg, dispatch=dispatch))
-        tokens, positions = random_tokens(21), arange_positions()
+        tokens, positions = random_tokens(21, (8, T)), arange_positions(8)  # a sequence per data shard
         expected, aux_e = model_lib.apply(graphdef, state, tokens, positions)
 
         mesh = sharding.make_mesh(**axes)
@@ -672,7 +745,10 @@ class TestSharding(chex.TestCase):
         assert w.sharding.spec[:2] == (None, "expert") and len(w.sharding.device_set) == 8
         batch = sharding.batch_sharding(mesh, 2)
         tokens_s, positions_s = jax.device_put(tokens, batch), jax.device_put(positions, batch)
-        logits, aux = self.variant(fwd(graphdef))(sharded_state, tokens_s, positions_s)
+        f = sharding.under_mesh(fwd(graphdef), mesh) if on_mesh else fwd(graphdef)
+        if on_mesh:
+            assert "all-to-all" in jax.jit(f).lower(sharded_state, tokens_s, positions_s).compile().as_text()
+        logits, aux = self.variant(f)(sharded_state, tokens_s, positions_s)
         np.testing.assert_allclose(logits, expected, atol=1e-5, rtol=1e-5)
         np.testing.assert_array_equal(aux.topk, aux_e.topk)
 

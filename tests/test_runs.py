@@ -88,7 +88,7 @@ def test_values_that_cannot_work_are_refused_at_build_naming_the_key(key, value,
 def test_mesh_data_axes_must_divide_every_batch():
     c = base_config("gspo", "tiny")  # 8 completions, minibatches of 4, warm-start batches of 8
     c.mesh.data = 8
-    with pytest.raises(ConfigError, match="must divide the minibatch=4"):
+    with pytest.raises(ConfigError, match=r"must divide a micro-batch \(train.minibatches, train.microbatches\)=4"):
         build(c)
     c.mesh.update(data=4, fsdp=1)
     build(c)
@@ -98,6 +98,16 @@ def test_mesh_data_axes_must_divide_every_batch():
     c.train.drift_subsample = 1
     c.model.batch_chunks = 4  # batch chunks of 2 cannot be split over 4 either
     with pytest.raises(ConfigError, match=r"must divide a batch chunk \(model.batch_chunks\)=2"):
+        build(c)
+    c.model.batch_chunks = 1
+    c.mesh.update(data=1, expert=4)  # the expert axis splits the batch too
+    build(c)
+    c.train.microbatches = 2  # micro-batches of 2 cannot be split over data×fsdp×expert = 4
+    with pytest.raises(ConfigError, match=r"data×fsdp×expert=4 must divide a micro-batch"):
+        build(c)
+    c.train.microbatches = 1
+    c.model.num_experts = 6  # 6 experts do not split over 4 expert shards
+    with pytest.raises(ConfigError, match=r"mesh.expert=4 .*a divisor of model.num_experts=6"):
         build(c)
 
 

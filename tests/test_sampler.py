@@ -129,7 +129,7 @@ def test_sharded_sampler_equals_unsharded(setup):
         np.testing.assert_array_equal(a.tokens, b.tokens)
         np.testing.assert_allclose(a.logp, b.logp, atol=1e-5)
         np.testing.assert_array_equal(a.topk, b.topk)
-    assert b.tokens.sharding.spec[0] == ("data", "fsdp")
+    assert b.tokens.sharding.spec[0] == ("data", "fsdp", "expert")
 
 
 def test_prefill_in_batch_chunks_changes_nothing(setup):

@@ -42,12 +42,13 @@ def test_logical_to_spec():
     assert sharding.logical_to_spec((None, "layers")) == P(None, None)
     # A mesh axis is used at most once.
     assert sharding.logical_to_spec(("mlp", "heads")) == P("tensor", None)
-    assert sharding.logical_to_spec(("batch", "embed")) == P(("data", "fsdp"), None)
+    assert sharding.logical_to_spec(("batch", "embed")) == P(("data", "fsdp", "expert"), None)
     mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
     # Axes that do not divide the dimension are dropped, the others kept.
     assert sharding.logical_to_spec(("vocab", "embed"), shape=(3, 64), mesh=mesh) == P(None, "fsdp")
-    assert sharding.logical_to_spec(("batch", None), shape=(2, 5), mesh=mesh) == P("data", None)
-    assert sharding.logical_to_spec(("batch", None), shape=(4, 5), mesh=mesh) == P(("data", "fsdp"), None)
+    # (A size-1 axis divides anything: kept, harmlessly.)
+    assert sharding.logical_to_spec(("batch", None), shape=(2, 5), mesh=mesh) == P(("data", "expert"), None)
+    assert sharding.logical_to_spec(("batch", None), shape=(4, 5), mesh=mesh) == P(("data", "fsdp", "expert"), None)
     custom = (("embed", "tensor"), ("mlp", "tensor"))
     assert sharding.logical_to_spec(("embed", "mlp"), custom) == P("tensor", None)
 
@@ -124,13 +125,13 @@ def test_opt_state_mismatched_rank_is_replicated():
 
 def test_batch_and_cache_shardings():
     mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
-    assert sharding.batch_sharding(mesh, 2).spec == P(("data", "fsdp"), None)
+    assert sharding.batch_sharding(mesh, 2).spec == P(("data", "fsdp", "expert"), None)
     cache = jax.eval_shape(lambda: model_lib.init_cache(model_lib.get_config("tiny"), 4, 16))
     cs = sharding.cache_shardings(mesh, cache)
     assert isinstance(cs, model_lib.KVCache)
     assert len(cs.k) == len(cs.v) == model_lib.get_config("tiny").num_layers
-    assert all(x.spec == P(("data", "fsdp"), "tensor", None, None) for x in cs.k + cs.v)
-    assert cs.positions.spec == P(("data", "fsdp"), None)
+    assert all(x.spec == P(("data", "fsdp", "expert"), "tensor", None, None) for x in cs.k + cs.v)
+    assert cs.positions.spec == P(("data", "fsdp", "expert"), None)
     assert cs.index.spec == P()
     placed = jax.device_put(model_lib.init_cache(model_lib.get_config("tiny"), 4, 16), cs)
     assert all(x.sharding.spec == want.spec for x, want in zip(placed.k + placed.v, cs.k + cs.v))
