@@ -116,9 +116,10 @@ def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigD
         c.rollout.update(num_groups=64, group_size=8)
         c.train.update(num_iterations=500, minibatches=4, learning_rate=1e-6, warmup_steps=10)
         # What makes it fit a v5p-64 slice (README, "Scale"): layers rematerialised, the LM head and
-        # log-softmax over 512 positions at a time, scoring and prefill in 4 chunks of the batch, 4 micro-batches.
+        # log-softmax over 512 positions at a time, scoring and prefill in 4 chunks of the batch; with
+        # the batch split over all 32 chips (expert parallelism) the minibatch needs no micro-batches.
         c.model.update(remat="full", logprob_chunk=512, batch_chunks=4)
-        c.train.microbatches = 4
+        c.train.microbatches = 1
         c.warm_start.update(steps=0)
         c.mesh.update(data=1, fsdp=-1, expert=8, tensor=1)  # -1: whatever devices remain
 
@@ -231,7 +232,7 @@ def build(c: ml_collections.ConfigDict, device_count: int | None = None) -> Buil
         score_chunk=batch // chunks,
         microbatch=batch // (t.minibatches * t.microbatches),
         drift_batch=batch // (t.drift_subsample * chunks),
-        warm_start_batch=w.batch_size,
+        warm_start_batch=w.batch_size if w.steps else 0,  # 0: no warm start, nothing to split
         devices=jax.device_count() if device_count is None else device_count,
         num_experts=model_cfg.num_experts if model_cfg.num_moe_layers else 0,
     )
