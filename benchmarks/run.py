@@ -9,7 +9,8 @@ Sections:
   train      train-step MFU: analytic useful FLOPs / measured time / peak, on the default config
              and on `bench` (width 512, 8 layers, 16 experts top-2)
   loss       forward + backward of `policy_loss` alone, as a share of the train step, per objective
-  moe        MoE dispatch paths (dense, ragged, sparse) against each other, forward + backward
+  moe        MoE dispatch paths (dense, ragged, sparse) against each other, forward + backward; and
+             again with two (fake CPU) devices beside the expert-parallel all-to-all path
   sampler    generated tokens/s, against the naive decoder, decode MFU, and against batch size
   iteration  one RL iteration of the `iteration` shape, split (rollout, log-probs, updates, drift,
              evaluation, checkpoint + logging), with drift on every sequence, every 4th, or off; the
@@ -27,7 +28,10 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import platform
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -43,7 +47,7 @@ from gspo_jax.algorithms import ALGORITHMS
 from gspo_jax.config import base_config, build
 from gspo_jax.flops import matmul_params, train_flops
 from gspo_jax.sampler import Sampler, left_pad, sample_logits
-from gspo_jax.sharding import mesh_from_config
+from gspo_jax.sharding import make_mesh, mesh_from_config, under_mesh
 
 SECTIONS = ("peak", "train", "loss", "moe", "sampler", "iteration")
 RESULTS = Path(__file__).with_name("results.json")
@@ -188,9 +192,29 @@ def moe_dispatch(size: str, repeats: int) -> dict:
                 loss = functools.partial(_dispatch_loss, fn, topk, gates)
                 f = jax.jit(jax.value_and_grad(loss))
                 row[f"{name}_seconds"] = best_time(functools.partial(f, x, *w), repeats)
+            if jax.device_count() >= 2:  # the all-to-all path, experts split over two devices, sparse on each
+                mesh = make_mesh(expert=2)
+                ep = functools.partial(moe.expert_parallel, moe.sparse_experts, mesh.abstract_mesh)
+                loss = functools.partial(_dispatch_loss, ep, topk, gates)
+                rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+                f = jax.jit(under_mesh(jax.value_and_grad(loss), mesh), in_shardings=rep, out_shardings=rep)
+                row["expert_parallel_seconds"] = best_time(functools.partial(f, x, *w), repeats)
             row["useful_flops"] = 3 * 2 * N * 2 * 3 * D * F  # fwd + bwd, k=2 experts, 3 matmuls
             out.append(row)
     return {"rows": out}
+
+
+def moe_expert_parallel(size: str, repeats: int) -> list[dict]:
+    """The MoE rows again in a child process with two fake CPU devices (`XLA_FLAGS` must be set before
+    JAX starts), where the expert-parallel path runs beside the others: its ratios come from that one
+    process. On two cores the two devices share the machine: what it shows is the exchange's overhead."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "moe.json"
+        env = {**os.environ, "XLA_FLAGS": "--xla_force_host_platform_device_count=2", "JAX_PLATFORMS": "cpu"}
+        cmd = [sys.executable, "-m", "benchmarks.run", "--only", "moe", "--size", size, "--out", str(out)]
+        cmd += ["--repeats", str(repeats)]
+        subprocess.run(cmd, check=True, env=env, cwd=Path(__file__).parents[1], stdout=subprocess.DEVNULL)
+        return json.loads(out.read_text())["moe"]["rows"]
 
 
 # ---------------------------------------------------------------------------------------------- sampler
@@ -345,12 +369,21 @@ def main():
             print(f"loss [{name}]: {r['seconds'] * 1e3:.2f} ms, {r['share_of_train_step']:.1%} of a train step")
     if "moe" in sections:
         results["moe"] = moe_dispatch(args.size, repeats)
+        if jax.device_count() == 1:
+            results["moe"]["two_devices"] = moe_expert_parallel(args.size, repeats)
         for r in results["moe"]["rows"]:
             dense_ms, dense = r["dense_seconds"] * 1e3, r["dense_seconds"]
             print(
                 f"moe N={r['tokens']} E={r['experts']}: dense {dense_ms:.2f} ms, ragged/dense "
                 f"{r['ragged_seconds'] / dense:.2f}, sparse/dense {r['sparse_seconds'] / dense:.2f}"
             )
+        for r in results["moe"].get("two_devices", results["moe"]["rows"]):
+            if "expert_parallel_seconds" in r:
+                print(
+                    f"moe N={r['tokens']} E={r['experts']}, 2 devices: expert-parallel/sparse "
+                    f"{r['expert_parallel_seconds'] / r['sparse_seconds']:.2f}, expert-parallel/dense "
+                    f"{r['expert_parallel_seconds'] / r['dense_seconds']:.2f}"
+                )
     if "sampler" in sections:
         results["sampler"] = s = sampler_throughput(args.size, repeats, flops)
         print(

@@ -35,6 +35,8 @@ def test_runner_produces_every_figure(tmp_path):
     assert res["moe"]["rows"] and all(
         positive(r[f"{path}_seconds"]) for r in res["moe"]["rows"] for path in ("dense", "ragged", "sparse")
     )
+    two = res["moe"]["two_devices"]  # a child process with two devices, the expert-parallel path beside the others
+    assert two and all(positive(r[f"{p}_seconds"]) for r in two for p in ("dense", "sparse", "expert_parallel"))
     s = res["sampler"]
     assert positive(s["tokens_per_s"]) and positive(s["speedup_vs_naive"]) and positive(s["decode_mfu"])
     assert [r["batch"] for r in s["by_batch"]] == [8, 16]
