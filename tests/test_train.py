@@ -91,6 +91,10 @@ def test_sharded_train_step_equals_single_device(algorithm):
     chex.assert_trees_all_close(s1.params, s2.params, rtol=1e-5, atol=1e-6)
     leaf = jax.tree.leaves(s2.params)[0]
     assert len(leaf.sharding.device_set) > 1  # really sharded
+    # ... and expert-parallel: the MoE's tokens travel to their experts with an all-to-all.
+    step = sharded.programs.train_step
+    args = (sharded.state(), jax.device_put(batch, sharded.programs.batch_shardings))
+    assert "all_to_all" in step.func.lower(*step.args, *args).as_text()
 
 
 @pytest.mark.parametrize("algorithm", ["dapo", "grpo"])
