@@ -7,7 +7,9 @@ Everything here runs on process 0 only (the others share its filesystem or keep 
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import errno
 import fcntl
 import json
 import logging
@@ -24,6 +26,7 @@ from gspo_jax.writers import METRICS_FILE, SAMPLES_FILE
 log = logging.getLogger(__name__)
 
 LOCK_FILE = ".lock"
+_NO_LOCKS = (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP)
 CONFIG_FILE = "config.json"
 
 # Keys that may change when a run is resumed: they say how long to run and how to observe it, not
@@ -63,6 +66,12 @@ class Lock:
             holder = _read_holder(fd)
             os.close(fd)
             raise WorkdirBusy(f"workdir {self.path.parent} is in use by {holder}") from None
+        except OSError as e:
+            if e.errno not in _NO_LOCKS:
+                os.close(fd)
+                raise
+            # A filesystem without locks (gcsfuse, where a pod's workdir often lives): run unguarded.
+            log.warning("%s: this filesystem has no file locks (%s); a second run on it is not refused", self.path, e)
         previous = _read_holder(fd)
         if previous != "an unknown process":
             log.warning("took over %s, left by %s, which is no longer running", self.path, previous)
@@ -76,7 +85,8 @@ class Lock:
 
     def release(self) -> None:
         if self._fd is not None:
-            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            with contextlib.suppress(OSError):  # no lock to release where the filesystem has none
+                fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)
             self._fd = None
 

@@ -2,6 +2,7 @@
 the door (one line, workdir untouched), non-finite updates skipped, SIGINT like SIGTERM, documented exit
 codes, one metrics row per step after any interruption."""
 
+import errno
 import json
 import os
 import signal
@@ -174,6 +175,23 @@ def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path, caplog):
     with workdir.Lock(tmp_path):
         assert json.loads((tmp_path / workdir.LOCK_FILE).read_text())["pid"] == os.getpid()
     assert any(f"pid {holder.pid}" in r.getMessage() for r in caplog.records)
+
+
+def test_a_filesystem_without_locks_runs_unguarded_and_says_so(tmp_path, monkeypatch, caplog):
+    def no_locks(fd, op):
+        raise OSError(errno.ENOSYS, "Function not implemented")
+
+    monkeypatch.setattr(workdir.fcntl, "flock", no_locks)  # as on gcsfuse, where pod workdirs often live
+    with workdir.Lock(tmp_path):
+        assert json.loads((tmp_path / workdir.LOCK_FILE).read_text())["pid"] == os.getpid()
+    assert any("no file locks" in r.getMessage() for r in caplog.records)
+
+    def broken(fd, op):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(workdir.fcntl, "flock", broken)  # any other failure still stops the run
+    with pytest.raises(OSError, match="Input/output"):
+        workdir.Lock(tmp_path).acquire()
 
 
 # ------------------------------------------------------------------ the workdir remembers its config
