@@ -10,13 +10,16 @@ Shapes never change, so nothing recompiles. Shape letters: `gspo_jax/__init__.py
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Sequence
 from typing import NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from gspo_jax import advantages as adv_lib
+from gspo_jax import multihost
 from gspo_jax.sampler import SampleOutput, Sampler, left_pad
 from gspo_jax.validation import check, check_choice, check_int, check_number
 
@@ -59,29 +62,56 @@ class RolloutConfig:
 
 @dataclasses.dataclass(frozen=True)
 class RolloutBatch:
-    """One training batch of B = num_groups × group_size completions over T = P + C positions (host
-    arrays: the trainer places them on the mesh)."""
+    """One training batch of B = num_groups × group_size completions over T = P + C positions.
 
-    tokens: np.ndarray  # int32 [B, T]
-    prompt_mask: np.ndarray  # bool [B, T]
-    completion_mask: np.ndarray  # bool [B, T]: every generated token up to EOS (positions need it)
-    loss_mask: np.ndarray  # float32 [B, T]: completion_mask minus filtered (overlong, fill) completions
-    old_logp: np.ndarray  # float32 [B, T]: the sampler's log-probs
+    Per-token fields stay where the sampler left them: device arrays, split over the sampler's mesh
+    (each process holds its rows; nothing goes through the host). Per-sequence fields are host arrays,
+    the same on every process.
+    """
+
+    tokens: jax.Array  # int32 [B, T]
+    prompt_mask: jax.Array  # bool [B, T]
+    completion_mask: jax.Array  # bool [B, T]: every generated token up to EOS (positions need it)
+    loss_mask: jax.Array  # float32 [B, T]: completion_mask minus filtered (overlong, fill) completions
+    old_logp: jax.Array  # float32 [B, T]: the sampler's log-probs
+    topk: jax.Array  # int32 [B, L, T, K]: the sampler's routing (R3 replay)
     rewards: np.ndarray  # float32 [B], after overlong shaping
     advantages: np.ndarray  # float32 [B]
     group_ids: np.ndarray  # int32 [B]: the prompt each completion answers, unique within the batch
     lengths: np.ndarray  # int32 [B]
     truncated: np.ndarray  # bool [B]
-    topk: np.ndarray  # int32 [B, L, T, K]: the sampler's routing (R3 replay)
+
+
+# The per-token sampler outputs a batch is assembled from, in this order.
+_TOKEN_FIELDS = ("tokens", "prompt_mask", "completion_mask", "logp", "topk")
+
+
+class Sampled(NamedTuple):
+    """One call of the sampler, scored: the output on the device, per-sequence results on the host
+    (every process has all of them; each scored its own rows)."""
+
+    out: SampleOutput
+    raw: np.ndarray  # float32 [B]: the task's rewards
+    lengths: np.ndarray  # int32 [B]
+    truncated: np.ndarray  # bool [B]
 
 
 class _Round(NamedTuple):
     """One generation round: G samples of each of num_groups prompts, scored."""
 
-    out: SampleOutput  # host arrays
-    raw: np.ndarray  # float32 [B]: the task's rewards
+    sampled: Sampled
     rewards: np.ndarray  # float32 [B]: after overlong shaping
     informative: np.ndarray  # bool [num_groups]: rewards not all equal
+
+
+def _pick(acc, src, rows_B, take_B):
+    """`acc` with row b replaced by `src[rows_B[b]]` where `take_B[b]` (one round's picks)."""
+    where = lambda a, s: jnp.where(take_B.reshape(-1, *([1] * (a.ndim - 1))), s[rows_B], a)
+    return jax.tree.map(where, acc, src)
+
+
+def _loss_mask(completion_mask_BT, keep_B):
+    return (completion_mask_BT & keep_B[:, None]).astype(jnp.float32)
 
 
 def select_groups(informative_per_round: Sequence[np.ndarray], num_groups: int, dynamic: bool):
@@ -110,6 +140,14 @@ class Rollout:
                 f"{cfg.num_groups}×{cfg.group_size}"
             )
         self.sampler, self.task, self.tokenizer, self.cfg = sampler, task, tokenizer, cfg
+        self.rows = multihost.local_rows(sampler.batch_sharding(2), sampler.batch_size)  # this process's
+        if sampler.mesh is None:
+            self._pick, self._loss_mask = jax.jit(_pick), jax.jit(_loss_mask)
+        else:
+            b = {f: sampler.batch_sharding(4 if f == "topk" else 2) for f in _TOKEN_FIELDS}
+            rep = jax.sharding.NamedSharding(sampler.mesh, jax.sharding.PartitionSpec())
+            self._pick = jax.jit(_pick, in_shardings=(b, b, rep, rep), out_shardings=b)
+            self._loss_mask = jax.jit(_loss_mask, out_shardings=b["tokens"])
         self.eos_ids = (tokenizer.eos_token_id,)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
@@ -125,28 +163,38 @@ class Rollout:
         P = self.sampler.prompt_len
         return [self.tokenizer.decode(row[P : P + n], skip_special_tokens=True) for row, n in zip(out_tokens, lengths)]
 
-    def _round(self, state, examples, key) -> _Round:
-        cfg, G = self.cfg, self.cfg.group_size
-        tokens, mask = self.encode_prompts([ex.prompt for ex in examples])
+    def sample(self, state, examples, repeat: int, key, *, temperature, top_k=0, top_p=1.0) -> Sampled:
+        """`repeat` completions of each example (batch rows i·repeat … ), scored. Each process encodes,
+        decodes and scores only the rows its devices hold; rewards and lengths are then gathered."""
+        B, rows = self.sampler.batch_size, self.rows
+        mine = [examples[i // repeat] for i in rows]
+        tokens, mask = self.encode_prompts([ex.prompt for ex in mine])
+        sh = self.sampler.batch_sharding(2)
         out = self.sampler(
             state,
-            np.repeat(tokens, G, 0),
-            np.repeat(mask, G, 0),
+            multihost.put_rows(tokens, rows, sh, B),
+            multihost.put_rows(mask, rows, sh, B),
             key,
-            temperature=cfg.temperature,
-            top_k=cfg.top_k,
-            top_p=cfg.top_p,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
             eos_ids=self.eos_ids,
             pad_id=self.pad_id,
         )
-        out = jax.tree.map(np.asarray, out)
-        texts = self.decode_completions(out.tokens, out.lengths)
-        raw = np.array([self.task.reward(t, examples[i // G]) for i, t in enumerate(texts)], np.float32)
-        rewards = raw
+        lengths = multihost.to_local(out.lengths, rows)
+        texts = self.decode_completions(multihost.to_local(out.tokens, rows), lengths)
+        raw = np.array([self.task.reward(t, ex) for t, ex in zip(texts, mine)], np.float32)
+        gather = functools.partial(multihost.gather_rows, rows=rows, n=B)
+        return Sampled(out, gather(raw), gather(lengths), gather(multihost.to_local(out.truncated, rows)))
+
+    def _round(self, state, examples, key) -> _Round:
+        cfg, G = self.cfg, self.cfg.group_size
+        s = self.sample(state, examples, G, key, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
+        rewards = s.raw
         if cfg.overlong_cache_len > 0:
-            penalty = adv_lib.overlong_penalty(out.lengths, self.sampler.max_new_tokens, cfg.overlong_cache_len)
-            rewards = raw + cfg.overlong_factor * np.asarray(penalty)
-        return _Round(out, raw, rewards.astype(np.float32), np.asarray(adv_lib.informative_groups(rewards, G)))
+            penalty = adv_lib.overlong_penalty(s.lengths, self.sampler.max_new_tokens, cfg.overlong_cache_len)
+            rewards = s.raw + cfg.overlong_factor * np.asarray(penalty)
+        return _Round(s, rewards.astype(np.float32), np.asarray(adv_lib.informative_groups(rewards, G)))
 
     def __call__(self, state, prompt_iter, key) -> tuple[RolloutBatch, dict[str, float]]:
         cfg, G = self.cfg, self.cfg.group_size
@@ -156,34 +204,47 @@ class Rollout:
             if not cfg.dynamic_sampling or sum(int(x.informative.sum()) for x in rounds) >= cfg.num_groups:
                 break
         picks, weights, shortfall = select_groups([x.informative for x in rounds], cfg.num_groups, cfg.dynamic_sampling)
-        rows = [(r, g * G + j) for r, g in picks for j in range(G)]
-        take = lambda get: np.stack([get(rounds[r])[i] for r, i in rows])
-        out_field = lambda name: take(lambda x: getattr(x.out, name))
+        src_round = np.repeat([r for r, _ in picks], G)
+        src_row = np.concatenate([g * G + np.arange(G) for _, g in picks])
+        host = lambda get: np.stack([get(rounds[r])[i] for r, i in zip(src_round, src_row)])
         weight_B = np.repeat(np.asarray(weights), G)
-        truncated = out_field("truncated")
-        completion_mask = out_field("completion_mask")
+        truncated = host(lambda x: x.sampled.truncated)
         keep_B = weight_B & ~(truncated if cfg.overlong_filter else np.zeros_like(truncated))
-        rewards = take(lambda x: x.rewards)
+        rewards = host(lambda x: x.rewards)
         advantages = adv_lib.group_advantages(rewards, G, cfg.advantage_scale, cfg.advantage_eps, valid=weight_B)
+        fields = self._assemble(rounds, src_round, src_row)
+        B = len(src_row)
+        keep = multihost.put_rows(keep_B[self.rows], self.rows, self.sampler.batch_sharding(1), B)
         batch = RolloutBatch(
-            tokens=out_field("tokens"),
-            prompt_mask=out_field("prompt_mask"),
-            completion_mask=completion_mask,
-            loss_mask=(completion_mask & keep_B[:, None]).astype(np.float32),
-            old_logp=out_field("logp"),
+            tokens=fields["tokens"],
+            prompt_mask=fields["prompt_mask"],
+            completion_mask=fields["completion_mask"],
+            loss_mask=self._loss_mask(fields["completion_mask"], keep),
+            old_logp=fields["logp"],
+            topk=fields["topk"],
             rewards=rewards,
             advantages=np.asarray(advantages),
             group_ids=np.repeat(np.arange(cfg.num_groups, dtype=np.int32), G),
-            lengths=out_field("lengths"),
+            lengths=host(lambda x: x.sampled.lengths),
             truncated=truncated,
-            topk=out_field("topk"),
         )
         return batch, self._metrics(rounds, len(picks) - shortfall, shortfall)
 
+    def _assemble(self, rounds, src_round, src_row) -> dict[str, jax.Array]:
+        """The picked rows' per-token sampler outputs, gathered on the device (one compile however many
+        rounds were drawn; nothing moves when the batch is round 0 as it came)."""
+        field = lambda r: {f: getattr(rounds[r].sampled.out, f) for f in _TOKEN_FIELDS}
+        acc = field(0)
+        if np.all(src_round == 0) and np.array_equal(src_row, np.arange(len(src_row))):
+            return acc
+        for r in np.unique(src_round):
+            acc = self._pick(acc, field(r), src_row.astype(np.int32), src_round == r)
+        return acc
+
     def _metrics(self, rounds, kept: int, shortfall: int) -> dict[str, float]:
         G = self.cfg.group_size
-        raw = np.concatenate([x.raw for x in rounds]).reshape(-1, G)
-        lengths = np.concatenate([x.out.lengths for x in rounds])
+        raw = np.concatenate([x.sampled.raw for x in rounds]).reshape(-1, G)
+        lengths = np.concatenate([x.sampled.lengths for x in rounds])
         n_groups = raw.shape[0]
         return {
             "reward_mean": float(np.mean(np.concatenate([x.rewards for x in rounds]))),
@@ -196,5 +257,5 @@ class Rollout:
             "groups_short": float(shortfall),
             "completion_len_mean": float(np.mean(lengths)),
             "completion_len_max": float(np.max(lengths)),
-            "truncation_rate": float(np.mean(np.concatenate([x.out.truncated for x in rounds]))),
+            "truncation_rate": float(np.mean(np.concatenate([x.sampled.truncated for x in rounds]))),
         }

@@ -22,6 +22,7 @@ import numpy as np
 from flax import nnx
 
 from gspo_jax import model as model_lib
+from gspo_jax import multihost
 from gspo_jax import sharding as sharding_lib
 from gspo_jax.validation import check, check_int
 
@@ -297,6 +298,10 @@ class Sampler:
             )
         self._cache = None  # allocated on first use, then donated and handed back by every call
 
+    def batch_sharding(self, ndim: int):
+        """How a [B, ...] array of `ndim` dimensions is split over the mesh (None without one)."""
+        return None if self.mesh is None else sharding_lib.batch_sharding(self.mesh, ndim)
+
     def _new_cache(self):
         return model_lib.init_cache(self.model_cfg, self.batch_size, self.prompt_len + self.max_new_tokens)
 
@@ -360,6 +365,7 @@ class Sampler:
         if self._in_shardings is not None:
             # Arrays on a mesh carry it in their type: placing every argument the same way on every
             # call (a fresh key, a restored parameter) is what keeps this at one compile.
-            args = jax.device_put(args, self._in_shardings)
+            key = multihost.replicated(key, self.mesh)  # a typed key cannot be device_put across processes
+            args = jax.device_put((*args[:4], key, *args[5:]), self._in_shardings)
         out, self._cache = self._fn(*self._static, *args)
         return out

@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import logging
+import math
 import signal
 import time
 from pathlib import Path
@@ -24,10 +25,9 @@ import ml_collections
 import numpy as np
 import optax
 from flax import nnx, struct
-from tqdm.auto import tqdm
 
 from gspo_jax import config as config_lib
-from gspo_jax import hf, losses, plots, routing
+from gspo_jax import hf, losses, multihost, plots, routing
 from gspo_jax import metrics as metrics_lib
 from gspo_jax import model as model_lib
 from gspo_jax import optimizer as optimizer_lib
@@ -37,6 +37,7 @@ from gspo_jax.checkpoint import Checkpointer, PreemptionGuard
 from gspo_jax.compiles import CompileCounter
 from gspo_jax.evaluate import evaluate
 from gspo_jax.metrics import Count, Mean, Sum
+from gspo_jax.progress import Progress
 from gspo_jax.rollout import Rollout
 from gspo_jax.sampler import Sampler
 from gspo_jax.tasks import load_tokenizer, prompt_iterator
@@ -175,6 +176,8 @@ class Programs(NamedTuple):
     """A run's jitted functions, with explicit shardings over its mesh."""
 
     train_step: Any  # (state, minibatch) -> (state, metrics, Scored | None); state donated
+    take: Any  # (batch, rows) -> the batch's rows, on the mesh (minibatches, drift sub-samples)
+    take_scored: Any  # (Scored, rows) -> its rows, on the mesh
     score: Any  # (params, tokens, positions) -> (logp [B, T], topk [B, L, T, K])
     drift: Any  # (params, batch) -> drift metrics (routing.measure_drift)
     on_policy: bool  # π_old's log-probs come from the update's forward (`shares_old_forward`)
@@ -234,15 +237,19 @@ def compile_programs(config, built: config_lib.Built, graphdef, params, mesh) ->
         on_mesh(train_step),
         static_argnums=0,
         in_shardings=(state_sh, batch_sh),
-        out_shardings=(state_sh, None, Scored(b2, bs(4)) if static.on_policy else None),
+        out_shardings=(state_sh, rep, Scored(b2, bs(4)) if static.on_policy else None),
         donate_argnums=1,
     )
     score = jax.jit(
         on_mesh(model_lib.score), static_argnums=(0, 1), in_shardings=(param_sh, b2, b2), out_shardings=(b2, bs(4))
     )
-    drift = jax.jit(on_mesh(routing.measure_drift), static_argnums=(0, 1), in_shardings=(param_sh, batch_sh))
+    drift = jax.jit(
+        on_mesh(routing.measure_drift), static_argnums=(0, 1), in_shardings=(param_sh, batch_sh), out_shardings=rep
+    )
     return Programs(
         train_step=functools.partial(step, static),
+        take=jax.jit(take_rows, in_shardings=(batch_sh, rep), out_shardings=batch_sh),
+        take_scored=jax.jit(take_rows, in_shardings=(Scored(b2, bs(4)), rep), out_shardings=Scored(b2, bs(4))),
         score=functools.partial(score, graphdef, temperature),
         drift=functools.partial(drift, graphdef, temperature),
         on_policy=static.on_policy,
@@ -250,6 +257,12 @@ def compile_programs(config, built: config_lib.Built, graphdef, params, mesh) ->
         state_shardings=state_sh,
         batch_shardings=batch_sh,
     )
+
+
+def take_rows(tree, rows):
+    """Rows `rows` of every batch-first array of `tree` (jitted with the batch's shardings: the
+    gather stays on the mesh instead of passing through one device or the host)."""
+    return jax.tree.map(lambda x: x[rows], tree)
 
 
 def init_train_state(programs: Programs, params, seed: int) -> TrainState:
@@ -285,12 +298,11 @@ def rl_iteration(
         perm = np.asarray(jax.random.permutation(jax.random.fold_in(key, 1 + epoch), B))
         for m in range(num_mb):
             idx = perm[m * mb_size : (m + 1) * mb_size]
-            mb = jax.device_put(jax.tree.map(lambda x, i=idx: x[i], full), programs.batch_shardings)
-            state, step, scored = programs.train_step(state, mb)
+            state, step, scored = programs.train_step(state, programs.take(full, idx))
             step_metrics.append(step)
             if scored is not None:  # the only update: its forward scored π_old, in the minibatch's order
-                inv = np.argsort(idx)
-                full = full.replace(old_logp=scored.logp[inv], topk=scored.topk[inv])
+                scored = programs.take_scored(scored, np.argsort(idx))
+                full = full.replace(old_logp=scored.logp, topk=scored.topk)
     if programs.on_policy:
         metrics["old_logp_max_diff"] = old_logp_max_diff(full.old_logp, batch)
     host = [jax.tree.map(float, s) for s in jax.device_get(step_metrics)]  # float64 from here
@@ -305,8 +317,8 @@ def rl_iteration(
         )
     t_drift = time.perf_counter()
     if t.drift_metrics:
-        sub = full if t.drift_subsample == 1 else jax.tree.map(lambda x: x[:: t.drift_subsample], full)
-        metrics.update(drift_to_log(programs.drift(state.params, jax.device_put(sub, programs.batch_shardings))))
+        sub = full if t.drift_subsample == 1 else programs.take(full, np.arange(0, B, t.drift_subsample))
+        metrics.update(drift_to_log(programs.drift(state.params, sub)))
     metrics.update(
         rollout_seconds=t_rollout,
         logprob_seconds=t_logprobs,
@@ -318,9 +330,14 @@ def rl_iteration(
 
 
 def old_logp_max_diff(old_logp_BT, batch) -> float:
-    """The largest |trainer − sampler| log-prob difference on completion tokens (0 without any)."""
-    diff = np.abs(np.asarray(old_logp_BT) - batch.old_logp)[np.asarray(batch.completion_mask)]
-    return float(diff.max()) if diff.size else 0.0
+    """The largest |trainer − sampler| log-prob difference on completion tokens (0 without any);
+    reduced on the mesh, so only the scalar reaches the host."""
+    return float(_max_diff(old_logp_BT, batch.old_logp, batch.completion_mask))
+
+
+@jax.jit
+def _max_diff(a_BT, b_BT, mask_BT):
+    return jnp.max(jnp.where(mask_BT, jnp.abs(a_BT - b_BT), 0.0))
 
 
 def prepare_batch(programs: Programs, params, batch, old_logp_source, replay, ref_params, metrics) -> TrainBatch:
@@ -328,29 +345,34 @@ def prepare_batch(programs: Programs, params, batch, old_logp_source, replay, re
     sampler (R3) or the trainer (R2, none), π_ref's log-probs when there is a reference. Logs
     `old_logp_max_diff` (trainer vs sampler log-probs) into `metrics`. With `programs.on_policy` the
     trainer's log-probs and routing are left for the update's own forward to fill in."""
-    positions = model_lib.positions_from_mask(jnp.asarray(batch.prompt_mask) | jnp.asarray(batch.completion_mask))
     b2 = programs.batch_shardings.tokens
-    tokens, positions = jax.device_put((batch.tokens, positions), b2)
-    sampler_logp = jnp.asarray(batch.old_logp)
+    tokens = jax.device_put(batch.tokens, b2)
+    positions = jax.device_put(_positions(batch.prompt_mask, batch.completion_mask), b2)
+    sampler_logp = batch.old_logp
     if programs.on_policy:
-        old_logp, topk = sampler_logp, jnp.asarray(batch.topk)  # placeholders, replaced by the update
+        old_logp, topk = sampler_logp, batch.topk  # placeholders, replaced by the update
     else:
         logp_trainer, topk_trainer = programs.score(params, tokens, positions)
         metrics["old_logp_max_diff"] = old_logp_max_diff(logp_trainer, batch)
         old_logp = logp_trainer if old_logp_source == "trainer" else sampler_logp
-        topk = jnp.asarray(batch.topk) if replay == "R3" else topk_trainer  # R2 and none: the trainer's
+        topk = batch.topk if replay == "R3" else topk_trainer  # R2 and none: the trainer's
     ref_logp = jnp.zeros_like(old_logp) if ref_params is None else programs.score(ref_params, tokens, positions)[0]
     full = TrainBatch(
         tokens=tokens,
         positions=positions,
-        completion_mask=jnp.asarray(batch.completion_mask),
-        loss_mask=jnp.asarray(batch.loss_mask),
+        completion_mask=batch.completion_mask,
+        loss_mask=batch.loss_mask,
         old_logp=old_logp,
         ref_logp=ref_logp,
-        advantages=jnp.asarray(batch.advantages),
+        advantages=batch.advantages,  # host, the same on every process
         topk=topk,
     )
     return jax.device_put(full, programs.batch_shardings)
+
+
+@jax.jit
+def _positions(prompt_mask_BT, completion_mask_BT):
+    return model_lib.positions_from_mask(prompt_mask_BT | completion_mask_BT)
 
 
 def drift_to_log(drift: dict[str, Array]) -> dict[str, float]:
@@ -380,15 +402,25 @@ def train_and_evaluate(
     workdir: str | Path,
     *,
     progress: bool = True,
+    log_every: int = 1,
     allow_config_change: bool = False,
 ) -> dict[str, float]:
     """The main job: warm start, then RL iterations with evaluation, logging and checkpoints, resuming
     from the workdir's latest good checkpoint. One run per workdir (a lock), and only with the config
     the workdir was started with (`workdir.RESUMABLE_KEYS` aside) unless `allow_config_change`.
     SIGTERM / SIGINT save a checkpoint at the next iteration boundary and raise `StoppedEarly`.
-    Returns the last iteration's metrics ({} when nothing was left to do)."""
+    Progress goes to stderr: a bar on a terminal, else one line every `log_every` iterations.
+    With several processes (`multihost.initialize`) every process calls this with the same arguments;
+    the mesh must span every process's devices. Returns the last iteration's metrics ({} when nothing
+    was left to do)."""
     workdir, built = Path(workdir), config_lib.build(config)
     is_main = jax.process_index() == 0
+    mesh_size = math.prod(sharding_lib.mesh_from_config(**config.mesh).devices.shape)
+    if jax.process_count() > 1 and mesh_size != jax.device_count():
+        raise ConfigError(
+            f"config.mesh: {dict(config.mesh)} covers {mesh_size} of the {jax.device_count()} devices of "
+            f"{jax.process_count()} processes; a multi-process mesh must use them all (set one axis to -1)"
+        )
     changes = workdir_lib.check_config(workdir, config, allow_change=allow_config_change)  # reads only
     try:
         workdir.mkdir(parents=True, exist_ok=True)
@@ -397,10 +429,10 @@ def train_and_evaluate(
     with workdir_lib.Lock(workdir) if is_main else contextlib.nullcontext():
         if is_main:
             workdir_lib.record_config(workdir, config, changes)
-        return _run(config, built, workdir, progress=progress and is_main)
+        return _run(config, built, workdir, progress=progress, log_every=log_every)
 
 
-def _run(config, built: config_lib.Built, workdir: Path, *, progress: bool) -> dict[str, float]:
+def _run(config, built: config_lib.Built, workdir: Path, *, progress: bool, log_every: int) -> dict[str, float]:
     t, is_main = config.train, jax.process_index() == 0
     mesh = sharding_lib.mesh_from_config(**config.mesh)
     graphdef, params = init_policy(config, built.model, mesh)
@@ -423,7 +455,7 @@ def _run(config, built: config_lib.Built, workdir: Path, *, progress: bool) -> d
         if not restored:
             writer.write(0, {**evaluation(state.params), **{k: float(v) for k, v in warm_start_info.items()}})
         last: dict[str, float] = {}
-        bar = tqdm(total=t.num_iterations, initial=start, desc=config.algorithm, unit="it", disable=not progress)
+        bar = Progress(t.num_iterations, start, config.algorithm, every=log_every, enabled=progress)
         for it in range(start, t.num_iterations):
             compiles = CompileCounter()  # logged as xla_compiles: 0 after the first iteration
             state, metrics = rl_iteration(programs, rollout, config, state, prompts, it, ref_params)
@@ -434,12 +466,12 @@ def _run(config, built: config_lib.Built, workdir: Path, *, progress: bool) -> d
             writer.write(it + 1, metrics)  # before the save: a step is never checkpointed without its row
             last = metrics
             meta = dict(iteration=it, prompts=prompts.state())
-            ckpt.save(it + 1, state, meta, force=guard.requested or it + 1 == t.num_iterations)
-            bar.update(1)
-            bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}", acc=f"{metrics['accuracy']:.3f}")
-            if guard.requested:
+            stop = multihost.any_process(guard.requested)  # a signal may reach only some hosts
+            ckpt.save(it + 1, state, meta, force=stop or it + 1 == t.num_iterations)
+            bar.update(metrics)
+            if stop:
                 bar.close()
-                raise StoppedEarly(guard.signum, it)
+                raise StoppedEarly(guard.signum or signal.SIGTERM, it)
         bar.close()
     if is_main and start < t.num_iterations:
         plots.plot_run(workdir)

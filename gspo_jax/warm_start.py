@@ -96,12 +96,13 @@ def train_on_demonstrations(config, graphdef, params, *, mesh, rollout: Rollout)
         for i, e in enumerate(examples):
             ids = tokenizer.encode(task.demonstration(e), add_special_tokens=False)[: C - 1] + [eos]
             comp_BC[i, : len(ids)], cmask_BC[i, : len(ids)] = ids, True
-        tokens_BT = jnp.asarray(np.concatenate([prompt_BP, comp_BC], 1))
+        tokens_BT = np.concatenate([prompt_BP, comp_BC], 1)
         pm_BT = np.concatenate([pmask_BP, np.zeros_like(cmask_BC)], 1)
         cm_BT = np.concatenate([np.zeros_like(pmask_BP), cmask_BC], 1)
-        positions_BT = model_lib.positions_from_mask(jnp.asarray(pm_BT) | jnp.asarray(cm_BT))
-        mask_BT = jnp.asarray(cm_BT, jnp.float32)
-        params, opt_state, loss = step(params, opt_state, *jax.device_put((tokens_BT, positions_BT, mask_BT), b2))
+        positions_BT = np.asarray(model_lib.positions_from_mask(jnp.asarray(pm_BT | cm_BT)))
+        # Host arrays, the same on every process: each places its devices' rows.
+        batch = jax.device_put((tokens_BT, positions_BT, cm_BT.astype(np.float32)), b2)
+        params, opt_state, loss = step(params, opt_state, *batch)
         sft_losses.append(float(loss))
     info = dict(sft_loss_first=sft_losses[0], sft_loss_last=float(np.mean(sft_losses[-10:])), sft_steps=w.steps)
     return params, info

@@ -3,6 +3,14 @@
     python scripts/train.py --config configs/gspo.py --workdir /tmp/gspo
     python scripts/train.py --config configs/grpo.py:tiny --workdir /tmp/t --config.train.num_iterations=2
 
+Several hosts (JAX's multi-controller runtime): the same command on every host with `--multihost`. On
+a TPU VM or pod slice JAX finds the coordinator itself; elsewhere pass `--coordinator_address`,
+`--num_processes` and `--process_id` (two CPU processes on one machine, four fake devices each):
+    XLA_FLAGS=--xla_force_host_platform_device_count=4 python scripts/train.py --config configs/gspo.py:tiny \
+        --workdir /tmp/mh --config.mesh.data=8 --multihost --coordinator_address=localhost:12355 \
+        --num_processes=2 --process_id=0     # and --process_id=1 in a second shell
+The workdir must be one path that every process sees (orbax writes each process's shards there).
+
 Exit codes (for schedulers and sweeps):
     0    the run finished (or had nothing left to do), plots written
     2    refused before any work, one line on stderr: a bad flag, key or value; a config that differs
@@ -22,11 +30,13 @@ from pathlib import Path
 # refused run prints exactly one line.
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from gspo_jax import config as config_lib  # noqa: E402
+from gspo_jax import multihost  # noqa: E402
 from gspo_jax.compiles import use_persistent_cache  # noqa: E402
 from gspo_jax.train import StoppedEarly, train_and_evaluate  # noqa: E402
 from gspo_jax.workdir import WorkdirBusy  # noqa: E402
@@ -35,7 +45,16 @@ EXIT_REFUSED, EXIT_STOPPED, EXIT_INTERRUPTED = 2, 75, 130  # 75: EX_TEMPFAIL, "t
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A configs/<algorithm>.py[:size] file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics.jsonl, TensorBoard and plots go.")
-_PROGRESS = flags.DEFINE_boolean("progress", True, "Show a progress bar.")
+_PROGRESS = flags.DEFINE_boolean(
+    "progress", True, "Show progress on stderr: a bar on a terminal, else a line every --log_every iterations."
+)
+_LOG_EVERY = flags.DEFINE_integer("log_every", 10, "Iterations between progress lines when stderr is not a terminal.")
+_MULTIHOST = flags.DEFINE_boolean(
+    "multihost", False, "Initialise jax.distributed (one process per host; on a TPU VM JAX finds the coordinator)."
+)
+_COORDINATOR = flags.DEFINE_string("coordinator_address", None, "host:port of process 0 (implies --multihost).")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "How many processes (implies --multihost).")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index (implies --multihost).")
 _COMPILATION_CACHE = flags.DEFINE_string(
     "compilation_cache",
     str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gspo_jax" / "xla"),
@@ -47,8 +66,11 @@ _ALLOW_CONFIG_CHANGE = flags.DEFINE_boolean(
 )
 
 
+PREFIX = ""  # "[process i] " once several processes run: every line says which one wrote it
+
+
 def refuse(message: str) -> None:
-    print(f"error: {message}", file=sys.stderr)
+    print(f"{PREFIX}error: {message}", file=sys.stderr)
     sys.exit(EXIT_REFUSED)
 
 
@@ -72,10 +94,33 @@ def parse_flags(argv):
         refuse(lines[-1].split(": ", 1)[-1] if "Traceback" in str(e) else lines[0])
 
 
+def start_processes() -> None:
+    """`jax.distributed.initialize` when asked; every log line then names its process."""
+    explicit = (_COORDINATOR.value, _NUM_PROCESSES.value, _PROCESS_ID.value)
+    if not _MULTIHOST.value and all(v is None for v in explicit):
+        return
+    if any(v is None for v in explicit) and any(v is not None for v in explicit):
+        refuse("--coordinator_address, --num_processes and --process_id go together (or none: TPU VMs detect them)")
+    if _NUM_PROCESSES.value is not None and not 0 <= _PROCESS_ID.value < _NUM_PROCESSES.value:
+        refuse(f"--process_id={_PROCESS_ID.value} must be in [0, --num_processes={_NUM_PROCESSES.value})")
+    try:
+        multihost.initialize(*explicit)
+    except (RuntimeError, ValueError) as e:
+        refuse(f"jax.distributed.initialize failed: {str(e).splitlines()[0] if str(e) else type(e).__name__}")
+    global PREFIX
+    PREFIX = f"[process {jax.process_index()}] "
+    absl_logging.get_absl_handler().setFormatter(
+        logging.Formatter(PREFIX + "%(levelname).1s%(asctime)s %(name)s] %(message)s")
+    )
+
+
 def main(argv):
     del argv
     if _CONFIG.value is None or not _WORKDIR.value:
         refuse("--config and --workdir are required")
+    if _LOG_EVERY.value < 1:
+        refuse(f"--log_every={_LOG_EVERY.value}: must be >= 1")
+    start_processes()  # before anything touches a JAX backend (config.build does)
     try:
         config_lib.build(_CONFIG.value)  # every check, before any work
     except ValueError as e:
@@ -89,18 +134,22 @@ def main(argv):
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save step at INFO
     try:
         metrics = train_and_evaluate(
-            _CONFIG.value, _WORKDIR.value, progress=_PROGRESS.value, allow_config_change=_ALLOW_CONFIG_CHANGE.value
+            _CONFIG.value,
+            _WORKDIR.value,
+            progress=_PROGRESS.value,
+            log_every=_LOG_EVERY.value,
+            allow_config_change=_ALLOW_CONFIG_CHANGE.value,
         )
     except (ValueError, WorkdirBusy) as e:  # config drift, workdir in use or not creatable, checkpoint mismatch
         refuse(str(e))
     except StoppedEarly as e:
-        print(f"stopped: {e}", file=sys.stderr)
+        print(f"{PREFIX}stopped: {e}", file=sys.stderr)
         sys.exit(EXIT_STOPPED)
     except KeyboardInterrupt:
-        print("interrupted: stopped at once; the newest complete checkpoint is intact", file=sys.stderr)
+        print(f"{PREFIX}interrupted: stopped at once; the newest complete checkpoint is intact", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
     keys = ("reward_mean", "accuracy", "eval_accuracy", "clip_frac", "drift_slot_change_rate")
-    print("final: " + ", ".join(f"{k}={metrics[k]:.4f}" for k in keys if k in metrics))
+    print(PREFIX + "final: " + ", ".join(f"{k}={metrics[k]:.4f}" for k in keys if k in metrics))
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """MetricWriter JSONL/TensorBoard output, read_metrics resume handling, and the PNG plots."""
 
+import io
 import json
 import math
 import subprocess
@@ -11,6 +12,7 @@ import numpy as np
 import pytest
 
 from gspo_jax import plots
+from gspo_jax.progress import Progress
 from gspo_jax.writers import MetricWriter, read_metrics
 
 REPO = Path(__file__).resolve().parent.parent
@@ -176,3 +178,38 @@ def test_missing_tensorboardx_falls_back_to_jsonl(tmp_path, monkeypatch, caplog)
     assert read_metrics(tmp_path)[0]["a"] == 1.0
     assert not (tmp_path / "tb").exists()
     assert any("tensorboardX" in r.getMessage() for r in caplog.records)
+
+
+# ------------------------------------------------------------------ progress in log files
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+def test_progress_is_plain_lines_in_a_log_file_and_a_bar_on_a_terminal():
+    metrics = {"reward_mean": 0.5, "accuracy": 0.25}
+    log_file = io.StringIO()
+    with Progress(5, 0, "gspo", every=2, stream=log_file) as progress:
+        for _ in range(5):
+            progress.update(metrics)
+    lines = log_file.getvalue().splitlines()
+    assert [x.split()[1] for x in lines] == ["2/5", "4/5", "5/5"]  # every 2nd, and the last
+    assert all("reward_mean=0.5000 accuracy=0.2500" in x for x in lines) and "\r" not in log_file.getvalue()
+
+    resumed = io.StringIO()
+    with Progress(5, 3, "gspo", every=10, stream=resumed) as progress:
+        progress.update(metrics)
+    assert resumed.getvalue() == ""  # 4/5: neither a multiple of 10 nor the last
+
+    terminal = _Terminal()
+    with Progress(5, 0, "gspo", every=2, stream=terminal) as progress:
+        progress.update(metrics)
+    assert "\r" in terminal.getvalue() and "1/5" in terminal.getvalue()  # tqdm's bar
+
+    quiet = _Terminal()
+    with Progress(5, 0, "gspo", enabled=False, stream=quiet) as progress:
+        for _ in range(5):
+            progress.update(metrics)
+    assert quiet.getvalue() == ""

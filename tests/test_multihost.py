@@ -1,0 +1,159 @@
+"""Several processes, one run: `scripts/train.py --multihost` as 2 processes × 4 CPU devices (JAX's
+multi-controller runtime, gloo over loopback) gives the metrics of 1 process × 8 devices, and a pair
+killed mid-run resumes to the metrics of an uninterrupted pair."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[1]
+TIMEOUT_S = 420  # per run; a hung collective fails the test instead of CI
+ITERATIONS = 2
+# Keys that measure time or compilation, not what the run computed.
+UNCOMPARED = ("time", "xla_compiles")
+OVERRIDES = (
+    "--config.mesh.data=8",
+    "--config.rollout.num_groups=4",  # 16 sequences: minibatches of 8 split over the 8 devices
+    f"--config.train.num_iterations={ITERATIONS}",
+    "--config.warm_start.steps=0",
+)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("localhost", 0))
+        return s.getsockname()[1]
+
+
+class Run:
+    """`scripts/train.py` on tiny GSPO as `processes` processes of `devices` CPU devices each, each in
+    its own session so that it and its children can be killed whatever happens."""
+
+    def __init__(self, workdir: Path, processes: int, devices: int, cache: Path):
+        self.workdir, self.procs, self.logs = workdir, [], []
+        env = {
+            **os.environ,
+            "JAX_PLATFORMS": "cpu",
+            "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+        }
+        cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / "configs" / "gspo.py:tiny")]
+        cmd += ["--workdir", str(workdir), f"--compilation_cache={cache}", "--log_every=1", *OVERRIDES]
+        port = free_port()
+        for i in range(processes):
+            extra = []
+            if processes > 1:
+                extra = ["--multihost", f"--coordinator_address=localhost:{port}", f"--num_processes={processes}"]
+                extra.append(f"--process_id={i}")
+            log = open(workdir.parent / f"{workdir.name}.process{i}.log", "ab")  # noqa: SIM115 - closed in kill
+            self.logs.append(log)
+            self.procs.append(
+                subprocess.Popen(
+                    cmd + extra, env=env, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+                )
+            )
+
+    def wait(self) -> list[int]:
+        deadline = time.monotonic() + TIMEOUT_S
+        try:
+            return [p.wait(timeout=max(deadline - time.monotonic(), 1)) for p in self.procs]
+        except subprocess.TimeoutExpired:
+            self.kill()
+            pytest.fail(f"timed out after {TIMEOUT_S} s:\n{self.tail()}")
+
+    def kill(self) -> None:
+        for p in self.procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+        for log in self.logs:
+            log.close()
+
+    def tail(self, lines: int = 15) -> str:
+        out = []
+        for log in self.logs:
+            log.flush()
+            text = Path(log.name).read_text(errors="replace").splitlines()
+            out += [f"--- {log.name}"] + [x for x in text if "[Gloo]" not in x][-lines:]
+        return "\n".join(out)
+
+
+def run_to_end(workdir: Path, processes: int, devices: int, cache: Path) -> list[dict]:
+    run = Run(workdir, processes, devices, cache)
+    try:
+        codes = run.wait()
+        assert codes == [0] * processes, f"exit codes {codes}:\n{run.tail()}"
+    finally:
+        run.kill()
+    return rows(workdir)
+
+
+def rows(workdir: Path) -> list[dict]:
+    lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    return [
+        {k: v for k, v in json.loads(x).items() if k not in UNCOMPARED and not k.endswith("_seconds")} for x in lines
+    ]
+
+
+def assert_same_rows(actual: list[dict], expected: list[dict], rtol: float) -> None:
+    assert [r["step"] for r in actual] == [r["step"] for r in expected] == list(range(ITERATIONS + 1))
+    for a, e in zip(actual, expected):
+        assert sorted(a) == sorted(e), (a["step"], set(a) ^ set(e))
+        for k in e:
+            np.testing.assert_allclose(a[k], e[k], rtol=rtol, atol=1e-6, err_msg=f"step {e['step']} {k}")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """The uninterrupted runs: 1 process × 8 devices, and 2 processes × 4 devices."""
+    root = tmp_path_factory.mktemp("multihost")
+    cache = root / "xla_cache"
+    return root, cache, run_to_end(root / "one", 1, 8, cache), run_to_end(root / "two", 2, 4, cache)
+
+
+def test_two_processes_equal_one(runs):
+    _, _, one, two = runs
+    assert_same_rows(two, one, rtol=1e-4)
+    assert one[-1]["drift_jaccard"] < 1.0  # the policy moved: the comparison covers a real update
+
+
+def test_only_process_zero_writes_and_every_process_logs(runs):
+    root, _, _, _ = runs
+    lines = [json.loads(x) for x in (root / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == ITERATIONS + 1  # one row per step: process 1 wrote none
+    for i in range(2):
+        log = (root / f"two.process{i}.log").read_text()
+        progress = [x for x in log.splitlines() if x.startswith(f"[process {i}] gspo ")]
+        assert [x.split()[3] for x in progress] == [f"{n}/{ITERATIONS}" for n in range(1, ITERATIONS + 1)], log[-2000:]
+        assert "\r" not in log  # no progress bar in a log file
+
+
+def test_killed_processes_resume_to_the_uninterrupted_metrics(runs):
+    root, cache, _, two = runs
+    workdir = root / "killed"
+    run = Run(workdir, 2, 4, cache)
+    try:
+        marker = workdir / "checkpoints" / "1" / "commit_success.txt"
+        deadline = time.monotonic() + TIMEOUT_S
+        while not marker.exists():
+            assert all(p.poll() is None for p in run.procs), f"a process exited early:\n{run.tail()}"
+            assert time.monotonic() < deadline, f"no checkpoint 1 after {TIMEOUT_S} s:\n{run.tail()}"
+            time.sleep(0.05)
+    finally:
+        run.kill()
+    assert all(p.returncode == -signal.SIGKILL for p in run.procs), [p.returncode for p in run.procs]
+    done = len((workdir / "metrics.jsonl").read_text().splitlines())
+    assert done <= ITERATIONS, "the run had finished before it was killed"
+    assert_same_rows(run_to_end(workdir, 2, 4, cache), two, rtol=1e-6)
