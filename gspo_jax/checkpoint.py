@@ -17,9 +17,9 @@ What goes in `state`:
   versions and PRNG implementations, so `save` refuses typed keys with an explicit error.
 
 Multi-process: every process calls `save` / `restore_latest` (orbax writes each process's shards and
-the JSON `meta` from process 0 only). On a multi-host TPU slice, the hook for agreeing on a common
-preemption step is `jax.experimental.multihost_utils.reached_preemption_sync_point(step)` (needs the
-JAX preemption service); `PreemptionGuard` only covers the single-host signal path.
+the JSON `meta` from process 0 only). `PreemptionGuard` sees only its own process's signals; the
+trainer stops when any process has one (`multihost.any_process`, once per iteration), so every
+process saves the same step.
 """
 
 from __future__ import annotations

@@ -24,6 +24,8 @@ class Progress:
         self.stream = sys.stderr if stream is None else stream
         self.prefix = f"[process {jax.process_index()}] " if jax.process_count() > 1 else ""
         is_tty = getattr(self.stream, "isatty", lambda: False)()
+        if stream is None:  # a job's output redirected to a file is a log, even if stderr is not
+            is_tty = is_tty and sys.stdout.isatty()
         self._bar = None
         if enabled and is_tty and jax.process_index() == 0:
             self._bar = tqdm(total=total, initial=initial, desc=desc, unit="it", file=self.stream)
