@@ -115,6 +115,56 @@ def assert_same_rows(actual: list[dict], expected: list[dict], rtol: float) -> N
             np.testing.assert_allclose(a[k], e[k], rtol=rtol, atol=1e-6, err_msg=f"step {e['step']} {k}")
 
 
+HELPERS = """
+import json, sys, jax, numpy as np
+from gspo_jax import multihost, sharding
+multihost.initialize(sys.argv[1], 2, int(sys.argv[2]))
+mesh = sharding.make_mesh(data=4, tensor=2)  # batch rows over 4 devices, each row on 2
+b2 = sharding.batch_sharding(mesh, 2)
+rows = multihost.local_rows(b2, 8)
+x = multihost.put_rows(np.stack([rows, 10 * rows], 1), rows, b2, 8)  # each process gives only its rows
+rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+total = float(jax.jit(lambda a: a.sum(), out_shardings=rep)(x))
+back = multihost.to_local(x, rows)
+full = multihost.gather_rows(rows * 100, rows, 8)
+key = multihost.replicated(jax.random.key(7), mesh)
+stop = [multihost.any_process(jax.process_index() == 1), multihost.any_process(False)]
+out = [rows.tolist(), total, back[:, 1].tolist(), full.tolist(), key.sharding.is_fully_replicated, stop]
+print("RESULT", json.dumps(out))
+"""
+
+
+def test_helpers_across_two_processes(tmp_path):
+    """Each process owns distinct rows; a global array built from them, read back, gathered; a flag set
+    on one process is seen by both."""
+    port, env = (
+        free_port(),
+        {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
+    )
+    cmd = lambda i: [sys.executable, "-c", HELPERS, f"localhost:{port}", str(i)]
+    procs = [
+        subprocess.Popen(
+            cmd(i), env=env, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        for i in range(2)
+    ]
+    try:
+        outs = [p.communicate(timeout=120)[0].decode() for p in procs]
+    finally:
+        for p in procs:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(p.pid, signal.SIGKILL)
+    results = [next((x for x in out.splitlines() if x.startswith("RESULT")), out[-2000:]) for out in outs]
+    mine = [json.loads(r.split(" ", 1)[1]) for r in results]
+    rows = [m[0] for m in mine]
+    assert sorted(rows[0] + rows[1]) == list(range(8)) and not set(rows[0]) & set(rows[1])
+    for r, total, back, full, replicated, stop in mine:
+        assert total == sum(11 * i for i in range(8))  # the global array holds every process's rows
+        assert back == [10 * i for i in r]
+        assert full == [100 * i for i in range(8)]
+        assert replicated and stop == [True, False]
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     """The uninterrupted runs: 1 process × 8 devices, and 2 processes × 4 devices."""
