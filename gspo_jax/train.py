@@ -27,7 +27,7 @@ import optax
 from flax import nnx, struct
 
 from gspo_jax import config as config_lib
-from gspo_jax import hf, losses, multihost, plots, routing
+from gspo_jax import hf, losses, mismatch, multihost, plots, routing
 from gspo_jax import metrics as metrics_lib
 from gspo_jax import model as model_lib
 from gspo_jax import optimizer as optimizer_lib
@@ -303,8 +303,8 @@ def rl_iteration(
             if scored is not None:  # the only update: its forward scored π_old, in the minibatch's order
                 scored = programs.take_scored(scored, np.argsort(idx))
                 full = full.replace(old_logp=scored.logp, topk=scored.topk)
-    if programs.on_policy:
-        metrics["old_logp_max_diff"] = old_logp_max_diff(full.old_logp, batch)
+    if programs.on_policy:  # the update's forward was the trainer's recomputation of π_old
+        metrics.update(sampler_mismatch(batch, full.old_logp, full.topk))
     host = [jax.tree.map(float, s) for s in jax.device_get(step_metrics)]  # float64 from here
     metrics.update(metrics_lib.compute(functools.reduce(metrics_lib.merge, host)))
     t_updates = time.perf_counter() - t0 - t_rollout - t_logprobs  # synchronised: metrics are on the host
@@ -329,15 +329,16 @@ def rl_iteration(
     return state, metrics
 
 
-def old_logp_max_diff(old_logp_BT, batch) -> float:
-    """The largest |trainer − sampler| log-prob difference on completion tokens (0 without any);
-    reduced on the mesh, so only the scalar reaches the host."""
-    return float(_max_diff(old_logp_BT, batch.old_logp, batch.completion_mask))
+def sampler_mismatch(batch, trainer_logp_BT, trainer_topk_BLTK) -> dict[str, float]:
+    """`mismatch.mismatch_metrics` of the batch's sampler log-probs and routing against the trainer's, as
+    `mismatch_*` (the largest |δ| keeps its older name, `old_logp_max_diff`); reduced on the mesh, so
+    only scalars reach the host."""
+    out = _mismatch(batch.old_logp, trainer_logp_BT, batch.completion_mask, batch.topk, trainer_topk_BLTK)
+    out = {("old_logp_max_diff" if k == "logp_abs_max" else f"mismatch_{k}"): float(v) for k, v in out.items()}
+    return out
 
 
-@jax.jit
-def _max_diff(a_BT, b_BT, mask_BT):
-    return jnp.max(jnp.where(mask_BT, jnp.abs(a_BT - b_BT), 0.0))
+_mismatch = jax.jit(mismatch.mismatch_metrics)
 
 
 def prepare_batch(programs: Programs, params, batch, old_logp_source, replay, ref_params, metrics) -> TrainBatch:
@@ -353,7 +354,7 @@ def prepare_batch(programs: Programs, params, batch, old_logp_source, replay, re
         old_logp, topk = sampler_logp, batch.topk  # placeholders, replaced by the update
     else:
         logp_trainer, topk_trainer = programs.score(params, tokens, positions)
-        metrics["old_logp_max_diff"] = old_logp_max_diff(logp_trainer, batch)
+        metrics.update(sampler_mismatch(batch, logp_trainer, topk_trainer))
         old_logp = logp_trainer if old_logp_source == "trainer" else sampler_logp
         topk = batch.topk if replay == "R3" else topk_trainer  # R2 and none: the trainer's
     ref_logp = jnp.zeros_like(old_logp) if ref_params is None else programs.score(ref_params, tokens, positions)[0]

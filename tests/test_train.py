@@ -254,6 +254,10 @@ def test_one_update_per_batch_shares_the_old_forward_and_subsamples_drift(tmp_pa
     shared, sampler = rows["trainer"], rows["sampler"]
     assert shared["reward_mean"] == sampler["reward_mean"]  # the same rollout
     assert shared["old_logp_max_diff"] < 1e-4 and shared["clip_frac"] == 0.0
+    for row in (shared, sampler):  # the sampler and the trainer are one model at one precision
+        assert row["mismatch_kl_k3"] < 1e-8 and row["mismatch_ratio_above_2"] == row["mismatch_ratio_below_half"] == 0
+        assert row["mismatch_logp_abs_mean"] <= row["old_logp_max_diff"] < 1e-4
+        assert row["mismatch_router_flip_rate"] <= row["mismatch_token_any_flip"] <= 0.01
     for k in ("loss", "grad_norm"):
         np.testing.assert_allclose(shared[k], sampler[k], rtol=1e-4, atol=1e-7, err_msg=k)
     for k in ("drift_slot_change_rate", "drift_router_flip_rate", "drift_jaccard", "drift_logratio_routing_share"):
