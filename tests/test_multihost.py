@@ -28,7 +28,6 @@ OVERRIDES = (
     "--config.mesh.data=8",
     "--config.rollout.num_groups=4",  # 16 sequences: minibatches of 8 split over the 8 devices
     f"--config.train.num_iterations={ITERATIONS}",
-    "--config.warm_start.steps=0",
 )
 
 
@@ -48,6 +47,7 @@ class Run:
             **os.environ,
             "JAX_PLATFORMS": "cpu",
             "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
+            "PYTHONPATH": str(ROOT),  # this checkout's code, whatever is installed
         }
         cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / "configs" / "gspo.py:tiny")]
         cmd += ["--workdir", str(workdir), f"--compilation_cache={cache}", "--log_every=1", *OVERRIDES]
@@ -137,10 +137,8 @@ print("RESULT", json.dumps(out))
 def test_helpers_across_two_processes(tmp_path):
     """Each process owns distinct rows; a global array built from them, read back, gathered; a flag set
     on one process is seen by both."""
-    port, env = (
-        free_port(),
-        {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"},
-    )
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "XLA_FLAGS": "--xla_force_host_platform_device_count=4"}
+    port, env["PYTHONPATH"] = free_port(), str(ROOT)
     cmd = lambda i: [sys.executable, "-c", HELPERS, f"localhost:{port}", str(i)]
     procs = [
         subprocess.Popen(
