@@ -115,6 +115,7 @@ def random_batch(programs, params, B: int, P: int, C: int, seed: int = 0) -> tra
         completion_mask=jnp.asarray(cmask),
         loss_mask=jnp.asarray(cmask, jnp.float32),
         old_logp=logp,
+        sampler_logp=logp,
         ref_logp=logp,
         advantages=jnp.asarray(rng.normal(size=B), jnp.float32),
         topk=topk,

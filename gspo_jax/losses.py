@@ -69,6 +69,11 @@ class LossConfig:
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
     log_ratio_clamp: float = 20.0  # |log-ratio| bound applied before every exp
+    # Sampler–trainer correction (`gspo_jax.mismatch.correction`): none | tis | mis, per token or per
+    # sequence, with cap C (TIS truncates w at C; MIS keeps w in [1/C, C]).
+    is_correction: str = "none"
+    is_level: str = "token"
+    is_cap: float = 2.0
 
     def __post_init__(self):
         own = "LossConfig"
@@ -84,6 +89,11 @@ class LossConfig:
         check_number(own, "sapo_tau_pos", self.sapo_tau_pos, low=0.0, strict=True)
         check_number(own, "sapo_tau_neg", self.sapo_tau_neg, low=0.0, strict=True)
         check_number(own, "log_ratio_clamp", self.log_ratio_clamp, low=0.0, strict=True)
+        check_choice(own, "is_correction", self.is_correction, ("none", "tis", "mis"))
+        check_choice(own, "is_level", self.is_level, ("token", "sequence"))
+        check_number(own, "is_cap", self.is_cap, low=1.0, strict=True)
+        if self.is_correction != "none" and self.ratio in SEQUENCE_LEVEL_RATIOS and self.is_level != "sequence":
+            fail(own, "is_level", self.is_level, f"'sequence' with ratio={self.ratio!r} (one loss per sequence)")
         if self.ratio != "geometric":  # ratios are > 0: a lower bound below 0 clips nothing, silently
             check(self.eps_low <= 1.0, own, "eps_low", self.eps_low, "in [0, 1] (1 means no lower bound)")
         if self.gate not in GATES_FOR_RATIO[self.ratio]:
@@ -364,6 +374,7 @@ def policy_loss(
     ref_logp: Array | None = None,
     *,
     denominator: Array | float | None = None,
+    is_weight: Array | None = None,
 ) -> tuple[Array, dict[str, Metric]]:
     """The configured policy loss and its diagnostics; pure and jittable (cfg is static).
 
@@ -374,6 +385,8 @@ def policy_loss(
       ref_logp: [B, T] under π_ref, required when cfg.kl_coef > 0.
       denominator: the aggregation's denominator; default `loss_denominator(cfg, mask)`. Pass the
         global batch's value when this call sees only a minibatch or a shard.
+      is_weight: a sampler–trainer importance weight (`mismatch.correction`, no gradient) multiplying
+        each token's ([B, T]) or sequence's ([B]) policy loss; sequence-level ratios take [B] only.
     Returns:
       (loss, metrics): loss = (Σ policy terms + kl_coef·Σ KL terms) / denominator. `metrics` are
       typed (`gspo_jax.metrics`): the loss terms are `Sum`s (pieces over a global denominator add),
@@ -406,6 +419,8 @@ def policy_loss(
             loss_B, dual_B, weight_B = g.loss, g.dual, g.weight
             low_BT, high_BT = g.low[:, None] & mask_BT, g.high[:, None] & mask_BT
             seq_clipped_B = g.low | g.high | g.dual
+        if is_weight is not None:
+            loss_B = loss_B * _is_weight(is_weight, (adv.shape[0],))
         policy_num = jnp.sum(jnp.where(seq_ok_B, loss_B, 0.0))
         dual_BT = dual_B[:, None] & mask_BT
         weight_BT = jnp.broadcast_to(weight_B[:, None], mask_BT.shape)
@@ -419,7 +434,11 @@ def policy_loss(
         g = gate(cfg, log_x_BT, adv_BT, jnp.where(mask_BT, logp_BT, 0.0))
         low_BT, high_BT, dual_BT = g.low & mask_BT, g.high & mask_BT, g.dual & mask_BT
         seq_clipped_B = jnp.any(low_BT | high_BT | dual_BT, axis=-1)
-        policy_num = token_loss_numerator(cfg.aggregation, g.loss, mask_BT, cfg.sum_norm_len)
+        loss_BT = g.loss
+        if is_weight is not None:
+            w = jnp.asarray(is_weight)
+            loss_BT = loss_BT * _is_weight(w[:, None] if w.ndim == 1 else w, mask_BT.shape)
+        policy_num = token_loss_numerator(cfg.aggregation, loss_BT, mask_BT, cfg.sum_norm_len)
         weight_BT = g.weight
 
     metrics: dict[str, Metric] = {}
@@ -450,6 +469,13 @@ def policy_loss(
     )
     metrics.update(loss=Sum(loss), policy_loss=Sum(policy), kl_loss=Sum(kl_term), denominator=Mean(denom, 1))
     return loss, metrics
+
+
+def _is_weight(w: Array, shape: tuple[int, ...]) -> Array:
+    w = jnp.asarray(w)
+    if w.ndim != len(shape) or any(a not in (1, b) for a, b in zip(w.shape, shape)):
+        raise ValueError(f"policy_loss: is_weight of shape {w.shape} does not fit {shape}")
+    return jax.lax.stop_gradient(w.astype(jnp.float32))
 
 
 def _diagnostics(

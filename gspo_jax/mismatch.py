@@ -1,5 +1,6 @@
 """Sampler–trainer mismatch: how far the engine that sampled a rollout (π_sampler) is from the trainer's
-recomputation at the same parameters (π_old), in log-probs and in routing.
+recomputation at the same parameters (π_old), in log-probs and in routing; and the corrections that
+reweight (TIS) or mask (MIS) the loss by π_old / π_sampler.
 
 Per completion token δ = old_logp − sampler_logp and w = exp(δ) ("Sampler–trainer mismatch" in
 docs/ALGORITHMS.md). Here both are the same JAX model, so the mismatch is what precision, kernels and
@@ -8,10 +9,13 @@ batch layout leave; an inference engine in bf16 would show more (the R3 paper: ~
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import jax
 import jax.numpy as jnp
 
-from gspo_jax.losses import clamp_log_ratio, kl_k3
+from gspo_jax.losses import clamp_log_ratio, kl_k3, sequence_valid
+from gspo_jax.metrics import Mean, Metric
 from gspo_jax.routing import routing_drift
 
 Array = jax.Array
@@ -48,3 +52,49 @@ def mismatch_metrics(
         router_flip_rate=drift["router_flip_rate"],
         token_any_flip=drift["token_any_flip"],
     )
+
+
+# ----------------------------------------------------------------------------------------------
+# Corrections: importance weights π_old / π_sampler on the loss (they compose with every objective).
+
+CORRECTIONS = ("none", "tis", "mis")  # truncated / masked importance sampling
+IS_LEVELS = ("token", "sequence")
+
+
+class Correction(NamedTuple):
+    """What a correction does to a batch's loss: a stop-gradient weight per token ([B, T]) or per
+    sequence ([B]), and the tokens that stay in the loss and its denominator."""
+
+    weight: Array | None  # None: no weighting (MIS, none)
+    mask_BT: Array  # bool [B, T]
+    metrics: dict[str, Metric]
+
+
+def correction(
+    kind: str, level: str, cap: float, old_logp_BT: Array, sampler_logp_BT: Array, mask_BT: Array, clamp: float = 20.0
+) -> Correction:
+    """TIS: weight sg(min(w, C)), w = π_old / π_sampler per token, or per sequence Π_t w_t (summed in
+    log space, clamped). MIS: drop tokens (sequences) whose w lies outside [1/C, C]. With equal log-probs
+    both are the identity. Metrics: `is_weight_mean` (mean w over tokens or sequences) and `is_cut_frac`
+    (the fraction truncated, TIS, or masked, MIS)."""
+    m = jnp.asarray(mask_BT) > 0
+    if kind == "none":
+        return Correction(None, m, {})
+    delta_BT = jnp.where(m, clamp_log_ratio(old_logp_BT.astype(jnp.float32) - sampler_logp_BT, clamp), 0.0)
+    if level == "token":
+        log_w, valid = delta_BT, m
+    else:
+        log_w, valid = clamp_log_ratio(jnp.sum(delta_BT, axis=-1), clamp), sequence_valid(m)
+    log_cap = jnp.log(jnp.float32(cap))
+    if kind == "tis":
+        cut = valid & (log_w > log_cap)
+        weight, keep_BT = jax.lax.stop_gradient(jnp.exp(jnp.minimum(log_w, log_cap))), m
+    else:  # mis
+        cut = valid & (jnp.abs(log_w) > log_cap)
+        weight, keep_BT = None, m & ~(cut if level == "token" else cut[:, None])
+    count = jnp.sum(valid).astype(jnp.float32)
+    metrics = {
+        "is_weight_mean": Mean(jnp.sum(jnp.where(valid, jnp.exp(log_w), 0.0)), count, 1.0),
+        "is_cut_frac": Mean(jnp.sum(cut).astype(jnp.float32), count),
+    }
+    return Correction(weight, keep_BT, metrics)

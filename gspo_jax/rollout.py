@@ -40,6 +40,9 @@ class RolloutConfig:
     overlong_filter: bool = False
     overlong_cache_len: int = 0  # DAPO's L_cache; 0 turns shaping off. L_max is max_new_tokens.
     overlong_factor: float = 1.0
+    # The sampler's compute dtype, as an inference engine's may differ from the trainer's ("" = the
+    # model's): the sampler–trainer mismatch (`mismatch_*` metrics) then is real, not zero.
+    dtype: str = ""
 
     def __post_init__(self):
         own = "RolloutConfig"
@@ -55,6 +58,7 @@ class RolloutConfig:
         check_number(own, "temperature", self.temperature, low=0.0, strict=True)
         check_int(own, "top_k", self.top_k, low=0)
         check_number(own, "top_p", self.top_p, low=0.0, high=1.0, strict=True)
+        check_choice(own, "dtype", self.dtype, ("", "float32", "bfloat16"))
         if self.dynamic_sampling:
             allowed = ">= 2 with dynamic_sampling (one round can only drop groups, never replace them)"
             check(self.max_rounds >= 2, own, "max_rounds", self.max_rounds, allowed)

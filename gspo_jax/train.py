@@ -67,6 +67,7 @@ class TrainBatch:
     completion_mask: Array  # bool [B, T]: generated tokens (drift is measured on them)
     loss_mask: Array  # float32 [B, T]: completion tokens that train (fill / filtered ones do not)
     old_logp: Array  # float32 [B, T]: π_old
+    sampler_logp: Array  # float32 [B, T]: π_sampler, what the sampler reported (corrections weigh by old / it)
     ref_logp: Array  # float32 [B, T]: π_ref (zeros without a KL term)
     advantages: Array  # float32 [B]
     topk: Array  # int32 [B, L, T, K]: π_old's routing, replayed under R2 / R3
@@ -81,6 +82,7 @@ def abstract_batch(built: config_lib.Built, B: int, T: int) -> TrainBatch:
         completion_mask=S((B, T), jnp.bool_),
         loss_mask=S((B, T), jnp.float32),
         old_logp=S((B, T), jnp.float32),
+        sampler_logp=S((B, T), jnp.float32),
         ref_logp=S((B, T), jnp.float32),
         advantages=S((B,), jnp.float32),
         topk=S((B, m.num_moe_layers, T, max(m.top_k, 1)), jnp.int32),
@@ -104,13 +106,15 @@ class StepConfig:
     on_policy: bool = False
 
 
-def shares_old_forward(train_cfg) -> bool:
+def shares_old_forward(train_cfg, loss_cfg: losses.LossConfig | None = None) -> bool:
     """Whether π_old's log-probs can come from the update's own forward instead of a scoring pass:
     one update per batch (epochs = minibatches = 1), recomputed by the trainer, with the live routing
     (R2 replays π_old's own routing, which the forward at π_old chooses anyway; R3 replays the
-    sampler's, which differs)."""
+    sampler's, which differs), and no masked-IS correction (its mask changes the loss denominator,
+    which must be known before the first micro-batch)."""
     t = train_cfg
-    return t.epochs * t.minibatches == 1 and t.old_logp_source == "trainer" and t.routing_replay != "R3"
+    mis = loss_cfg is not None and loss_cfg.is_correction == "mis"
+    return t.epochs * t.minibatches == 1 and t.old_logp_source == "trainer" and t.routing_replay != "R3" and not mis
 
 
 class Scored(NamedTuple):
@@ -131,7 +135,11 @@ def train_step(
     the forward provides them, and they come back as `Scored`."""
     cfg, M = static.loss, static.microbatches
     tx = optimizer_lib.make_optimizer(static.optimizer, static.total_steps)
-    denom = losses.loss_denominator(cfg, batch.loss_mask)
+    correct = lambda old_BT, b: mismatch.correction(
+        cfg.is_correction, cfg.is_level, cfg.is_cap, old_BT, b.sampler_logp, b.loss_mask, cfg.log_ratio_clamp
+    )
+    # MIS drops tokens from the denominator too: it is the minibatch's, corrected (never on-policy).
+    denom = losses.loss_denominator(cfg, correct(batch.old_logp, batch).mask_BT)
     micro = jax.tree.map(lambda x: model_lib.split_batch(x, M), batch)  # strided: see `split_batch`
 
     def loss_fn(params, mb: TrainBatch):
@@ -139,7 +147,11 @@ def train_step(
         logp_BT, aux = model_lib.logprobs(static.graphdef, params, mb.tokens, mb.positions, forced, static.temperature)
         old_BT = jax.lax.stop_gradient(logp_BT) if static.on_policy else mb.old_logp
         ref_BT = mb.ref_logp if cfg.kl_coef > 0 else None
-        loss, metrics = losses.policy_loss(cfg, logp_BT, old_BT, mb.advantages, mb.loss_mask, ref_BT, denominator=denom)
+        c = correct(old_BT, mb)
+        loss, metrics = losses.policy_loss(
+            cfg, logp_BT, old_BT, mb.advantages, c.mask_BT, ref_BT, denominator=denom, is_weight=c.weight
+        )
+        metrics.update(c.metrics)
         total = loss + aux.aux_loss / M
         metrics.update(lb_loss=Mean(aux.lb_loss, 1), z_loss=Mean(aux.z_loss, 1), total_loss=Sum(total))
         return total, (metrics, Scored(old_BT, aux.topk))
@@ -215,6 +227,7 @@ def compile_programs(config, built: config_lib.Built, graphdef, params, mesh) ->
         completion_mask=b2,
         loss_mask=b2,
         old_logp=b2,
+        sampler_logp=b2,
         ref_logp=b2,
         advantages=bs(1),
         topk=bs(4),
@@ -228,7 +241,7 @@ def compile_programs(config, built: config_lib.Built, graphdef, params, mesh) ->
         temperature=temperature,
         replay=t.routing_replay != "none",
         microbatches=t.microbatches,
-        on_policy=shares_old_forward(t),
+        on_policy=shares_old_forward(t, built.loss),
     )
     # Module-level functions with their static arguments marked, not closures: equal configs (a run
     # resumed in the same process) reuse the compilation.
@@ -364,6 +377,7 @@ def prepare_batch(programs: Programs, params, batch, old_logp_source, replay, re
         completion_mask=batch.completion_mask,
         loss_mask=batch.loss_mask,
         old_logp=old_logp,
+        sampler_logp=sampler_logp,
         ref_logp=ref_logp,
         advantages=batch.advantages,  # host, the same on every process
         topk=topk,
@@ -439,8 +453,12 @@ def _run(config, built: config_lib.Built, workdir: Path, *, progress: bool, log_
     graphdef, params = init_policy(config, built.model, mesh)
     programs = compile_programs(config, built, graphdef, params, mesh)
     batch_size = built.rollout.num_groups * built.rollout.group_size
+    sampler_graphdef, sampler_model = graphdef, built.model
+    if built.rollout.dtype:  # the same weights, computed at the sampler's precision
+        sampler_model = dataclasses.replace(built.model, dtype=built.rollout.dtype)
+        sampler_graphdef = model_lib.abstract_model(sampler_model)[0]
     sampler = Sampler(
-        graphdef, built.model, batch_size, config.prompt_len, config.max_new_tokens, mesh=mesh, state=params
+        sampler_graphdef, sampler_model, batch_size, config.prompt_len, config.max_new_tokens, mesh=mesh, state=params
     )
     rollout = Rollout(sampler, built.task, load_tokenizer(config.tokenizer_path or None), built.rollout)
     evaluation = functools.partial(evaluate, rollout, seed=config.seed + 1, num_batches=t.eval_batches)

@@ -1,5 +1,6 @@
 """Sampler–trainer mismatch metrics: identities and hand-computed values, jitted and eager."""
 
+import functools
 import math
 
 import jax
@@ -7,7 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gspo_jax.mismatch import mismatch_metrics
+from gspo_jax.losses import LossConfig, policy_loss
+from gspo_jax.mismatch import correction, mismatch_metrics
 
 JIT = pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 
@@ -66,3 +68,96 @@ def test_log_ratios_are_clamped_before_exp_but_the_max_is_not():
     )
     assert math.isfinite(out["kl_k3"]) and out["logp_abs_max"] == 200.0
     assert out["kl_k3"] == pytest.approx((math.expm1(20.0) - 20.0) / 2, rel=1e-5)
+
+
+# ------------------------------------------------------------------ corrections: TIS and MIS
+
+
+def _correct(jit, kind, level, cap, old, sampler, mask):
+    fn = functools.partial(correction, kind, level, cap)
+    c = (jax.jit(fn) if jit else fn)(jnp.asarray(old), jnp.asarray(sampler), jnp.asarray(mask))
+    w = None if c.weight is None else np.asarray(c.weight)
+    return w, np.asarray(c.mask_BT), {k: float(m.compute()) for k, m in c.metrics.items()}
+
+
+@JIT
+@pytest.mark.parametrize("kind", ["tis", "mis"])
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_equal_log_probs_make_every_correction_the_identity(jit, kind, level):
+    rng = np.random.default_rng(1)
+    logp = -rng.random((3, 5)).astype(np.float32)
+    mask = rng.random((3, 5)) < 0.7
+    w, keep, metrics = _correct(jit, kind, level, 2.0, logp, logp, mask)
+    assert w is None or np.all(w == 1.0)
+    np.testing.assert_array_equal(keep, mask)
+    assert metrics == {"is_weight_mean": 1.0, "is_cut_frac": 0.0}
+    objectives = [LossConfig(is_correction=kind, is_level=level)]  # token ratios take either weight
+    if level == "sequence":  # one loss per sequence: sequence weights only
+        objectives.append(LossConfig(ratio="sequence", aggregation="sequence", is_correction=kind, is_level=level))
+    new = jnp.asarray(logp + 0.1 * rng.normal(size=logp.shape).astype(np.float32))
+    adv = rng.normal(size=3).astype(np.float32)
+    for cfg in objectives:
+        plain = jax.value_and_grad(lambda x, cfg=cfg: policy_loss(cfg, x, logp, adv, mask)[0])(new)
+        fixed = jax.value_and_grad(lambda x, cfg=cfg: policy_loss(cfg, x, logp, adv, keep, is_weight=w)[0])(new)
+        np.testing.assert_allclose(fixed[0], plain[0], rtol=1e-6)
+        np.testing.assert_allclose(fixed[1], plain[1], rtol=1e-6)
+
+
+@JIT
+def test_hand_computed_weights_and_masks(jit):
+    sampler = np.zeros((1, 4), np.float32)
+    old = np.array([[math.log(3), -math.log(4), 0.1, 9.0]], np.float32)
+    mask = np.array([[1, 1, 1, 0]], bool)
+    w, keep, m = _correct(jit, "tis", "token", 2.0, old, sampler, mask)
+    np.testing.assert_allclose(w[0, :3], [2.0, 0.25, math.exp(0.1)], rtol=1e-6)
+    np.testing.assert_array_equal(keep, mask)
+    assert m["is_cut_frac"] == pytest.approx(1 / 3)
+    assert m["is_weight_mean"] == pytest.approx((3 + 0.25 + math.exp(0.1)) / 3, rel=1e-6)
+    w, keep, m = _correct(jit, "mis", "token", 2.0, old, sampler, mask)
+    assert w is None and keep.tolist() == [[False, False, True, False]] and m["is_cut_frac"] == pytest.approx(2 / 3)
+    seq_w = 0.75 * math.exp(0.1)  # Π_t w_t = 3 · 1/4 · e^0.1, inside [1/2, 2]
+    w, keep, m = _correct(jit, "tis", "sequence", 2.0, old, sampler, mask)
+    np.testing.assert_allclose(w, [seq_w], rtol=1e-6)
+    assert m == {"is_weight_mean": pytest.approx(seq_w, rel=1e-6), "is_cut_frac": 0.0}
+    w, keep, m = _correct(jit, "mis", "sequence", 1.2, old, sampler, mask)  # 1/1.2 > 0.829: dropped whole
+    assert not keep.any() and m["is_cut_frac"] == 1.0
+    w, keep, m = _correct(jit, "tis", "sequence", 1.2, -old, sampler, mask)  # 1/0.829 > 1.2: truncated
+    np.testing.assert_allclose(w, [1.2], rtol=1e-6)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_corrections_over_random_masks(seed):
+    """MIS keeps a subset of the mask; TIS weights lie in (0, C]; nothing off the mask matters; a
+    uniform TIS weight c scales the policy loss and its gradient by c."""
+    rng = np.random.default_rng(seed)
+    B, T, cap = 4, 6, 1.5
+    mask = rng.random((B, T)) < 0.6
+    old, sampler = (rng.normal(0, 0.5, (B, T)).astype(np.float32) for _ in range(2))
+    junk = np.where(mask, sampler, 99.0).astype(np.float32)
+    for level in ("token", "sequence"):
+        w, keep, m = _correct(False, "tis", level, cap, old, sampler, mask)
+        assert np.all((w > 0) & (w <= cap + 1e-6))
+        w2, _, m2 = _correct(False, "tis", level, cap, old, junk, mask)
+        np.testing.assert_array_equal(w[mask] if level == "token" else w, w2[mask] if level == "token" else w2)
+        assert m == m2
+        _, keep, _ = _correct(False, "mis", level, cap, old, sampler, mask)
+        assert not np.any(keep & ~mask)
+    adv = rng.normal(size=B).astype(np.float32)
+    cfg = LossConfig()
+    loss = lambda x, w=None: policy_loss(cfg, x, old, adv, mask, is_weight=w)[1]["policy_loss"].total
+    new = jnp.asarray(old + 0.05)
+    for w in (np.full((B, T), 0.7, np.float32), np.full((B,), 0.7, np.float32)):
+        np.testing.assert_allclose(loss(new, w), 0.7 * loss(new), rtol=1e-6)
+        np.testing.assert_allclose(jax.grad(loss)(new, w), 0.7 * jax.grad(loss)(new), rtol=1e-5)
+
+
+def test_bad_correction_settings_are_refused_naming_the_field():
+    with pytest.raises(ValueError, match="is_correction"):
+        LossConfig(is_correction="ppo")
+    with pytest.raises(ValueError, match="is_cap"):
+        LossConfig(is_correction="tis", is_cap=1.0)
+    with pytest.raises(ValueError, match="is_level"):  # one loss per sequence: a token weight cannot apply
+        LossConfig(ratio="sequence", aggregation="sequence", is_correction="tis", is_level="token")
+    with pytest.raises(ValueError, match="is_weight"):
+        gspo = LossConfig(ratio="sequence", aggregation="sequence")
+        policy_loss(gspo, np.zeros((2, 3)), np.zeros((2, 3)), np.ones(2), np.ones((2, 3)), is_weight=np.ones((2, 3)))

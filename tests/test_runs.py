@@ -263,6 +263,7 @@ def test_an_update_that_would_make_parameters_non_finite_is_skipped():
         completion_mask=mask,
         loss_mask=mask.astype(jnp.float32),
         old_logp=logp,
+        sampler_logp=logp,
         ref_logp=logp,
         advantages=jnp.array([1.0, -1.0, 0.5, -0.5]),
         topk=topk,

@@ -67,6 +67,7 @@ def minibatch(s: Setup, seed=0) -> train.TrainBatch:
         completion_mask=jnp.asarray(cmask),
         loss_mask=jnp.asarray(cmask, jnp.float32),
         old_logp=jnp.asarray(old, jnp.float32),
+        sampler_logp=jnp.asarray(old, jnp.float32),
         ref_logp=jnp.asarray(logp) - 0.01,
         advantages=jnp.asarray(rng.normal(0, 1, B), jnp.float32),
         topk=jnp.asarray(topk),
@@ -115,6 +116,53 @@ def test_microbatches_give_the_same_update(algorithm):
     for k in ("total_loss", "loss", "policy_loss", "kl_loss", "grad_norm", "clip_frac", "approx_kl", "num_tokens"):
         np.testing.assert_allclose(m1[k], m2[k], rtol=1e-5, atol=1e-8, err_msg=k)
     chex.assert_trees_all_close(s1.params, s2.params, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_a_bfloat16_sampler_shows_a_mismatch_the_float32_trainer_measures(tmp_path):
+    """rollout.dtype=bfloat16 samples with the same weights at bf16: the trainer's float32
+    recomputation of π_old then differs from the sampler's log-probs, as an inference engine's would."""
+    c = tiny("gspo")
+    c.rollout.dtype = "bfloat16"
+    c.warm_start.steps = 0
+    c.train.update(num_iterations=1, minibatches=1, eval_every=10)
+    train.train_and_evaluate(c, tmp_path, progress=False)
+    row = _metrics(tmp_path)[1]
+    assert 1e-3 < row["mismatch_logp_abs_mean"] <= row["old_logp_max_diff"]  # float32 alone: < 1e-4
+    assert 0.0 < row["mismatch_kl_k3"] < 0.1
+    assert 0.0 <= row["mismatch_router_flip_rate"] <= row["mismatch_token_any_flip"] <= 1.0
+
+
+def test_masked_is_equals_leaving_those_tokens_out_and_truncated_is_logs_its_weights():
+    """MIS through the whole step (denominator included) is the step on a loss mask without the tokens
+    it drops, and with 2 micro-batches too; TIS at a uniform weight w < C scales the policy loss by w."""
+    steps = {}
+    for kind, micro in (("none", 1), ("mis", 1), ("mis", 2), ("tis", 1)):
+        c = tiny("grpo")
+        c.model.update(lb_loss_coef=0.0, z_loss_coef=0.0)  # batch statistics: not additive over micro-batches
+        c.loss.update(is_correction=kind, is_cap=2.0)
+        c.train.microbatches = micro
+        steps[kind, micro] = Setup(c)
+    batch = minibatch(steps["none", 1], seed=3)
+    far = np.zeros(batch.old_logp.shape, np.float32)
+    far[::2] = 5.0  # every 2nd sequence: w = e^-5, outside [1/2, 2]
+    mis = batch.replace(sampler_logp=batch.old_logp + far)
+    dropped = batch.replace(loss_mask=batch.loss_mask * (far == 0))
+    _, ref, _ = steps["none", 1].step(dropped)
+    ref = values(ref)
+    for micro in (1, 2):
+        _, got, _ = steps["mis", micro].step(mis)
+        got = values(got)
+        for k in ("loss", "policy_loss", "grad_norm", "num_tokens", "denominator"):
+            np.testing.assert_allclose(got[k], ref[k], rtol=1e-5, atol=1e-8, err_msg=(micro, k))
+        frac = float(np.sum(np.asarray(batch.loss_mask)[::2]) / np.sum(np.asarray(batch.loss_mask)))
+        assert got["is_cut_frac"] == pytest.approx(frac)
+    half = batch.replace(sampler_logp=batch.old_logp + np.log(2.0) * np.asarray(batch.loss_mask))  # w = 1/2
+    _, plain, _ = steps["none", 1].step(batch)
+    _, tis, _ = steps["tis", 1].step(half)
+    plain, tis = values(plain), values(tis)
+    np.testing.assert_allclose(tis["policy_loss"], 0.5 * plain["policy_loss"], rtol=1e-5)
+    assert tis["is_weight_mean"] == pytest.approx(0.5) and tis["is_cut_frac"] == 0.0
 
 
 @pytest.mark.parametrize(
