@@ -10,7 +10,6 @@ With one process every function here is the obvious identity.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
 
 import jax
 import numpy as np
@@ -26,10 +25,6 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address, num_processes, process_id)
     log.info("process %d of %d, %d local devices", jax.process_index(), jax.process_count(), jax.local_device_count())
-
-
-def is_main() -> bool:
-    return jax.process_index() == 0
 
 
 def local_rows(sharding: NamedSharding | None, n: int) -> np.ndarray:
@@ -99,11 +94,3 @@ def any_process(flag: bool) -> bool:
     if jax.process_count() == 1:
         return bool(flag)
     return bool(np.any(multihost_utils.process_allgather(np.asarray(flag, np.int32))))
-
-
-def sum_over_processes(values: Sequence[float]) -> np.ndarray:
-    """Element-wise sum of a small vector over processes."""
-    values = np.asarray(values, np.float64)
-    if jax.process_count() == 1:
-        return values
-    return multihost_utils.process_allgather(values).sum(0)
