@@ -12,7 +12,8 @@ All are pytrees (jit-friendly). `merge` combines two trees of metrics, `reduce` 
 the outputs of a `lax.scan` over micro-batches), `compute` turns a tree into plain values. Across the
 optimizer steps of an iteration each update weighs the same: `per_update` recasts one update's
 metrics as `Mean(value, 1)` (a `Count` stays a `Count`), so an iteration reports the mean over its
-updates and the total of its counts.
+updates and the total of its counts; an update in which a ratio counted nothing (no flipped token,
+say) weighs 0 for it instead of adding its `empty` value.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ class Mean:
 
     def compute(self):
         if isinstance(self.count, jax.Array):  # on device (and under jit)
-            return jnp.where(self.count > 0, self.total / jnp.maximum(self.count, 1), self.empty)
+            safe = jnp.where(self.count > 0, self.count, 1)  # counts may be fractional (weights)
+            return jnp.where(self.count > 0, self.total / safe, self.empty)
         return self.total / self.count if self.count > 0 else self.empty  # host floats (float64)
 
 
@@ -136,6 +138,11 @@ def per_update(tree):
     """One optimizer step's metrics as it enters an iteration's report: each step weighs 1."""
 
     def one(m):
-        return m if isinstance(m, Count) else Mean(m.compute(), 1)
+        if isinstance(m, Count):
+            return m
+        if isinstance(m, Sum):
+            return Mean(m.compute(), 1)
+        counted = jnp.asarray(m.count) > 0
+        return Mean(jnp.where(counted, m.compute(), 0.0), counted.astype(jnp.float32), m.empty)
 
     return jax.tree.map(one, tree, is_leaf=is_metric)
