@@ -100,6 +100,26 @@ ALGORITHMS: dict[str, Algorithm] = {
             paper="Soft Adaptive Policy Optimization (Qwen, 2025): tau_pos 1.0, tau_neg 1.05",
             loss=LossConfig(gate="sapo", sapo_tau_pos=1.0, sapo_tau_neg=1.05),
         ),
+        Algorithm(
+            name="vespo",
+            title="VESPO: REINFORCE weighted by a gamma kernel of the unnormalised sequence ratio; no hard clip",
+            paper="VESPO (Shen et al., 2026) and TRL's `vespo` loss: k, lambda = 2, 3 for A >= 0; 3, 2 for A < 0",
+            loss=LossConfig(
+                ratio="sequence_sum_token",
+                gate="vespo",
+                aggregation="token_mean",
+                vespo_k_pos=2.0,
+                vespo_lambda_pos=3.0,
+                vespo_k_neg=3.0,
+                vespo_lambda_neg=2.0,
+            ),
+        ),
+        Algorithm(
+            name="gspo_sum",
+            title="GSPO without the 1/|o|: the product of the token ratios, clipped per sequence (VESPO's ablation)",
+            paper="GSPO (Zheng et al., 2025) with its ranges eps_low 3e-4, eps_high 4e-4; critique from VESPO",
+            loss=LossConfig(ratio="sequence_sum", eps_low=3e-4, eps_high=4e-4, aggregation="sequence"),
+        ),
     )
 }
 

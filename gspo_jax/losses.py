@@ -1,12 +1,14 @@
-"""Critic-free policy losses (GRPO, DAPO, GSPO, GSPO-token, Dr.GRPO, GMPO, CISPO, SAPO).
+"""Critic-free policy losses (GRPO, DAPO, GSPO, GSPO-token, Dr.GRPO, GMPO, CISPO, SAPO, VESPO).
 
 Every loss is a pure function of per-token log-probabilities: it never sees the model. A loss is
 assembled from orthogonal pieces chosen by a frozen `LossConfig`:
 
   ratio        how π_θ/π_old is formed: per token, per sequence (GSPO), per sequence with
-               per-token gradients (GSPO-token), or as a geometric mean of log-clipped tokens (GMPO)
+               per-token gradients (GSPO-token), as a geometric mean of log-clipped tokens (GMPO),
+               or as the plain product of the token ratios, without GSPO's 1/|o| (VESPO's W), per
+               sequence or with per-token gradients
   gate         what turns (ratio, advantage) into a loss: the PPO clip, CISPO's clipped
-               stop-gradient weight, or SAPO's soft sigmoid gate
+               stop-gradient weight, SAPO's soft sigmoid gate, or VESPO's gamma kernel
   aggregation  how per-token (or per-sequence) losses become one number
 
 Shape letters: see `gspo_jax/__init__.py`. `mask_BT` is 1 on completion tokens, 0 on prompt and
@@ -23,6 +25,7 @@ diagnostics `Mean`s of a sum and a count, so merging the pieces' metrics gives t
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -35,18 +38,22 @@ from gspo_jax.validation import check, check_choice, check_number, fail
 
 Array = jax.Array
 
-RATIOS = ("token", "sequence", "sequence_token", "geometric")
-GATES = ("clip", "cispo", "sapo")
+RATIOS = ("token", "sequence", "sequence_token", "geometric", "sequence_sum", "sequence_sum_token")
+GATES = ("clip", "cispo", "sapo", "vespo")
 AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
-SEQUENCE_LEVEL_RATIOS = ("sequence", "geometric")  # one ratio and one loss per sequence
+SEQUENCE_LEVEL_RATIOS = ("sequence", "geometric", "sequence_sum")  # one ratio and one loss per sequence
 GATES_FOR_RATIO = {
     "token": ("clip", "cispo", "sapo"),
     "sequence_token": ("clip", "sapo"),
     "sequence": ("clip", "sapo"),
     "geometric": ("clip",),  # GMPO clips in log space, token by token, inside the ratio
+    "sequence_sum": ("clip", "sapo"),
+    "sequence_sum_token": ("clip", "sapo", "vespo"),  # VESPO's kernel acts on the unnormalised W
 }
+# VESPO's floor on log W (TRL and the paper's code clamp W at 1e-8): φ there is ~e^λ·1e-8^k, i.e. 0.
+VESPO_LOG_W_MIN = math.log(1e-8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,7 +61,8 @@ class LossConfig:
     """Which policy loss to compute; validated at construction, hashable (a static jit argument).
 
     eps_low / eps_high bound a ratio to [1 - eps_low, 1 + eps_high]; for `geometric` they bound each
-    token's log-ratio to [-eps_low, eps_high] instead (GMPO clips in log space).
+    token's log-ratio to [-eps_low, eps_high] instead (GMPO clips in log space). vespo_k_* / vespo_lambda_*
+    shape VESPO's kernel φ(W) = W^k·e^{λ(1-W)} for A >= 0 (pos) and A < 0 (neg).
     """
 
     ratio: str = "token"
@@ -68,6 +76,10 @@ class LossConfig:
     kl_estimator: str = "k3"
     sapo_tau_pos: float = 1.0
     sapo_tau_neg: float = 1.05
+    vespo_k_pos: float = 2.0  # VESPO's power k (the paper's c1) and decay λ (c2), by sign(A); TRL's defaults
+    vespo_lambda_pos: float = 3.0
+    vespo_k_neg: float = 3.0
+    vespo_lambda_neg: float = 2.0
     log_ratio_clamp: float = 20.0  # |log-ratio| bound applied before every exp
     # Sampler–trainer correction (`gspo_jax.mismatch.correction`): none | tis | mis, per token or per
     # sequence, with cap C (TIS truncates w at C; MIS keeps w in [1/C, C]).
@@ -88,6 +100,9 @@ class LossConfig:
         check_number(own, "kl_coef", self.kl_coef, low=0.0)
         check_number(own, "sapo_tau_pos", self.sapo_tau_pos, low=0.0, strict=True)
         check_number(own, "sapo_tau_neg", self.sapo_tau_neg, low=0.0, strict=True)
+        for sign in ("pos", "neg"):  # λ > 0 keeps φ bounded (its largest value is at W = k/λ)
+            check_number(own, f"vespo_k_{sign}", getattr(self, f"vespo_k_{sign}"), low=0.0)
+            check_number(own, f"vespo_lambda_{sign}", getattr(self, f"vespo_lambda_{sign}"), low=0.0, strict=True)
         check_number(own, "log_ratio_clamp", self.log_ratio_clamp, low=0.0, strict=True)
         check_choice(own, "is_correction", self.is_correction, ("none", "tis", "mis"))
         check_choice(own, "is_level", self.is_level, ("token", "sequence"))
@@ -215,16 +230,44 @@ def sequence_log_ratio(delta_BT: Array, mask_BT: Array, clamp: float) -> Array:
     return clamp_log_ratio(_mean_delta(delta_BT, mask_BT), clamp)
 
 
+def _with_token_gradients(log_s_B: Array, live_BT: Array, logp_BT: Array) -> Array:
+    """sg[log s_i] + logp_t - sg[logp_t]: the value of a sequence's log-ratio at each of its tokens, the
+    gradient of each live token's own logp (0 elsewhere), [B, T]."""
+    safe_logp_BT = jnp.where(live_BT, logp_BT, 0.0)
+    return jax.lax.stop_gradient(log_s_B)[:, None] + safe_logp_BT - jax.lax.stop_gradient(safe_logp_BT)
+
+
 def sequence_token_log_ratio(delta_BT: Array, logp_BT: Array, mask_BT: Array, clamp: float) -> Array:
     """log s_{i,t} = sg[log s_i] + logp_t - sg[logp_t]: value of s_i, gradient of each token alone.
 
     Where log s_i is clamped, the token gradients are cut too, as GSPO's are.
     """
     mean_B = _mean_delta(delta_BT, mask_BT)
-    log_s_B = jax.lax.stop_gradient(clamp_log_ratio(mean_B, clamp))
     inside_B1 = (jnp.abs(mean_B) <= clamp)[:, None]
-    safe_logp_BT = jnp.where(mask_BT & inside_B1, logp_BT, 0.0)
-    return log_s_B[:, None] + safe_logp_BT - jax.lax.stop_gradient(safe_logp_BT)
+    return _with_token_gradients(clamp_log_ratio(mean_B, clamp), mask_BT & inside_B1, logp_BT)
+
+
+def _sum_clamped_delta(delta_BT: Array, mask_BT: Array, clamp: float) -> Array:
+    return _masked_sum(clamp_log_ratio(delta_BT, clamp), mask_BT, axis=-1)
+
+
+def sequence_sum_log_ratio(delta_BT: Array, mask_BT: Array, clamp: float) -> Array:
+    """log W_i = clamp(Σ_t m clamp(Δ_t)): the log of the product of the token ratios, [B].
+
+    GSPO's sequence ratio without its 1/|o| (VESPO's W, and the ablation VESPO's critique asks for);
+    each token's Δ is clamped as a token ratio's is, then the sum, as TRL's `vespo` loss does.
+    """
+    return clamp_log_ratio(_sum_clamped_delta(delta_BT, mask_BT, clamp), clamp)
+
+
+def sequence_sum_token_log_ratio(delta_BT: Array, logp_BT: Array, mask_BT: Array, clamp: float) -> Array:
+    """log W_{i,t} = sg[log W_i] + logp_t - sg[logp_t]: value of W_i, gradient of each token alone.
+
+    A token passes no gradient where log W_i, or its own Δ, is clamped (as in `sequence_sum`).
+    """
+    sum_B = _sum_clamped_delta(delta_BT, mask_BT, clamp)
+    live_BT = mask_BT & (jnp.abs(delta_BT) <= clamp) & (jnp.abs(sum_B) <= clamp)[:, None]
+    return _with_token_gradients(clamp_log_ratio(sum_B, clamp), live_BT, logp_BT)
 
 
 class ClippedLogRatio(NamedTuple):
@@ -303,7 +346,28 @@ def sapo_gate(cfg: LossConfig, log_x: Array, adv: Array, logp: Array | None = No
     return Gated(-adv * (4.0 / tau) * sig, no, no, no, weight)
 
 
-GATE_FNS: dict[str, Callable[..., Gated]] = {"clip": clip_gate, "cispo": cispo_gate, "sapo": sapo_gate}
+def vespo_gate(cfg: LossConfig, log_x: Array, adv: Array, logp: Array | None = None) -> Gated:
+    """VESPO: ℓ = -sg(φ(x))·A·logp with the gamma kernel φ(x) = x^k·e^{λ(1-x)}, k, λ by sign(A) (A >= 0: pos).
+
+    φ(1) = 1 and φ is largest at x = k/λ, then decays as e^{-λx}: a smooth, asymmetric reshaping of the
+    sequence weight instead of a clip. Only φ's value is used (REINFORCE-style, like CISPO), computed in
+    log space with log x clamped to [log 1e-8, log_ratio_clamp] as TRL does; nothing is hard-clipped.
+    """
+    log_w = jnp.clip(jax.lax.stop_gradient(log_x), VESPO_LOG_W_MIN, cfg.log_ratio_clamp)
+    pos = adv >= 0
+    k = jnp.where(pos, cfg.vespo_k_pos, cfg.vespo_k_neg)
+    lam = jnp.where(pos, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg)
+    phi = jnp.exp(lam + k * log_w - lam * jnp.exp(log_w))
+    no = jnp.zeros(phi.shape, bool)
+    return Gated(-phi * adv * logp, no, no, no, phi)
+
+
+GATE_FNS: dict[str, Callable[..., Gated]] = {
+    "clip": clip_gate,
+    "cispo": cispo_gate,
+    "sapo": sapo_gate,
+    "vespo": vespo_gate,
+}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -353,9 +417,10 @@ def _prepare(logp, old_logp, advantages, mask, ref_logp, cfg: LossConfig):
             f"policy_loss: advantages must have shape [B]={(B,)} or [B, T]={logp.shape}; got {advantages.shape}"
         )
     if cfg.sequence_level and advantages.ndim != 1:
+        token_kind = "sequence_sum_token" if cfg.ratio == "sequence_sum" else "sequence_token"
         raise ValueError(
             f"policy_loss: ratio={cfg.ratio!r} takes one advantage per sequence, shape [B]; got "
-            f"{advantages.shape} (use ratio='sequence_token' for per-token advantages)"
+            f"{advantages.shape} (use ratio={token_kind!r} for per-token advantages)"
         )
     if cfg.kl_coef > 0:
         if ref_logp is None:
@@ -375,6 +440,7 @@ def policy_loss(
     *,
     denominator: Array | float | None = None,
     is_weight: Array | None = None,
+    flipped: Array | None = None,
 ) -> tuple[Array, dict[str, Metric]]:
     """The configured policy loss and its diagnostics; pure and jittable (cfg is static).
 
@@ -387,6 +453,9 @@ def policy_loss(
         global batch's value when this call sees only a minibatch or a shard.
       is_weight: a sampler–trainer importance weight (`mismatch.correction`, no gradient) multiplying
         each token's ([B, T]) or sequence's ([B]) policy loss; sequence-level ratios take [B] only.
+        The VESPO gate instead folds it into W in log space (W·Π_t w_t), as TRL and the paper do.
+      flipped: bool [B, T], tokens whose expert routing changed between π_old and π_θ; adds
+        `split_diagnostics` (clip fraction and |log r| of flipped vs unflipped tokens).
     Returns:
       (loss, metrics): loss = (Σ policy terms + kl_coef·Σ KL terms) / denominator. `metrics` are
       typed (`gspo_jax.metrics`): the loss terms are `Sum`s (pieces over a global denominator add),
@@ -413,8 +482,9 @@ def policy_loss(
             seq_clipped_B = jnp.any(low_BT | high_BT, axis=-1) | dual_B
             weight_B = jnp.where(dual_B, 0.0, jax.lax.stop_gradient(x_B))
             log_s_B = lr.log_ratio
-        else:  # sequence
-            log_s_B = sequence_log_ratio(delta_BT, mask_BT, clamp)
+        else:  # sequence, sequence_sum
+            seq_ratio = sequence_sum_log_ratio if cfg.ratio == "sequence_sum" else sequence_log_ratio
+            log_s_B = seq_ratio(delta_BT, mask_BT, clamp)
             g = gate(cfg, log_s_B, adv)
             loss_B, dual_B, weight_B = g.loss, g.dual, g.weight
             low_BT, high_BT = g.low[:, None] & mask_BT, g.high[:, None] & mask_BT
@@ -426,11 +496,18 @@ def policy_loss(
         weight_BT = jnp.broadcast_to(weight_B[:, None], mask_BT.shape)
     else:
         adv_BT = jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, mask_BT.shape)
-        if cfg.ratio == "sequence_token":
-            log_x_BT = sequence_token_log_ratio(delta_BT, logp_BT, mask_BT, clamp)
+        if cfg.ratio == "sequence_sum_token":
+            log_x_BT = sequence_sum_token_log_ratio(delta_BT, logp_BT, mask_BT, clamp)
+            log_s_B = sequence_sum_log_ratio(delta_BT, mask_BT, clamp)
         else:
-            log_x_BT = clamp_log_ratio(delta_BT, clamp)
-        log_s_B = sequence_log_ratio(delta_BT, mask_BT, clamp)
+            if cfg.ratio == "sequence_token":
+                log_x_BT = sequence_token_log_ratio(delta_BT, logp_BT, mask_BT, clamp)
+            else:
+                log_x_BT = clamp_log_ratio(delta_BT, clamp)
+            log_s_B = sequence_log_ratio(delta_BT, mask_BT, clamp)
+        if cfg.gate == "vespo" and is_weight is not None:  # W = π_θ/π_sampler: the correction joins W
+            log_x_BT = log_x_BT + _log_is_weight_sum(is_weight, mask_BT, clamp)[:, None]
+            is_weight = None
         g = gate(cfg, log_x_BT, adv_BT, jnp.where(mask_BT, logp_BT, 0.0))
         low_BT, high_BT, dual_BT = g.low & mask_BT, g.high & mask_BT, g.dual & mask_BT
         seq_clipped_B = jnp.any(low_BT | high_BT | dual_BT, axis=-1)
@@ -468,7 +545,26 @@ def policy_loss(
         )
     )
     metrics.update(loss=Sum(loss), policy_loss=Sum(policy), kl_loss=Sum(kl_term), denominator=Mean(denom, 1))
+    if flipped is not None:
+        metrics.update(
+            split_diagnostics(clamp_log_ratio(delta_BT, clamp), low_BT | high_BT | dual_BT, mask_BT, flipped)
+        )
     return loss, metrics
+
+
+def split_diagnostics(delta_BT: Array, clipped_BT: Array, mask_BT: Array, flipped_BT: Array) -> dict[str, Metric]:
+    """Clip fraction and mean |log r| over the tokens in `flipped_BT` and over the rest, and the
+    flipped share of tokens: does clipping land on the tokens whose routing moved? A side with no
+    token reports NaN (undefined, not 0)."""
+    sg = jax.lax.stop_gradient
+    delta_BT, mask_BT = sg(delta_BT), mask_BT.astype(bool)
+    out: dict[str, Metric] = {}
+    for name, side_BT in (("flipped", flipped_BT & mask_BT), ("unflipped", ~flipped_BT & mask_BT)):
+        n = jnp.sum(side_BT).astype(jnp.float32)
+        out[f"clip_frac_{name}"] = Mean(jnp.sum(clipped_BT & side_BT).astype(jnp.float32), n, math.nan)
+        out[f"abs_log_ratio_{name}"] = Mean(_masked_sum(jnp.abs(delta_BT), side_BT), n, math.nan)
+    out["flipped_frac"] = Mean(jnp.sum(flipped_BT & mask_BT).astype(jnp.float32), jnp.sum(mask_BT).astype(jnp.float32))
+    return out
 
 
 def _is_weight(w: Array, shape: tuple[int, ...]) -> Array:
@@ -476,6 +572,16 @@ def _is_weight(w: Array, shape: tuple[int, ...]) -> Array:
     if w.ndim != len(shape) or any(a not in (1, b) for a, b in zip(w.shape, shape)):
         raise ValueError(f"policy_loss: is_weight of shape {w.shape} does not fit {shape}")
     return jax.lax.stop_gradient(w.astype(jnp.float32))
+
+
+def _log_is_weight_sum(is_weight: Array, mask_BT: Array, clamp: float) -> Array:
+    """log of a sequence's correction: Σ_t m·log w_t for token weights [B, T], log w for sequence weights
+    [B]; each log clamped to [log 1e-8, clamp] as TRL's `vespo` loss does (a weight of 0 sends φ to 0): [B]."""
+    w = jnp.asarray(is_weight)
+    if w.ndim == 1:
+        return jnp.clip(jnp.log(_is_weight(w, mask_BT.shape[:1])), VESPO_LOG_W_MIN, clamp)
+    log_w_BT = jnp.clip(jnp.log(_is_weight(w, mask_BT.shape)), VESPO_LOG_W_MIN, clamp)
+    return _masked_sum(log_w_BT, mask_BT, axis=-1)
 
 
 def _diagnostics(

@@ -290,7 +290,7 @@ class TestAggregation(chex.TestCase):
     @parameterized.named_parameters((name, name) for name in ALL)
     def test_minibatch_split_sums_to_full_batch(self, name):
         cfg = PRESETS[name]
-        batch = make_batch(4, B=8, T=10, spread=0.1 if name not in ("gspo", "gspo_token") else 3e-4)
+        batch = make_batch(4, B=8, T=10, spread=0.1 if name not in ("gspo", "gspo_token", "gspo_sum") else 3e-4)
         full, _ = run(self.variant, cfg, *batch[:4], batch[4])
         full_g = grad_logp(cfg, *batch, variant=self.variant)
         total, g = _split_sum(cfg, self.variant, batch, splits=4)
@@ -446,6 +446,196 @@ def test_policy_loss_compiles_once_for_new_values(compile_counter):
     assert compile_counter.count == 0
 
 
+# ------------------------------------------------------------------ VESPO and the unnormalised sequence ratio
+
+# Shared inputs for the TRL check. Prompt/padding entries of logp and old are junk the mask drops; row 2 has
+# a token log-ratio beyond ±20 (TRL clamps each token's before the sum); row 3 is empty.
+TRL_MASK = np.array([[0, 1, 1, 1, 0], [1, 1, 1, 1, 1], [1, 1, 0, 0, 0], [0, 0, 0, 0, 0], [1, 1, 1, 0, 0]], np.float32)
+TRL_LOGP = np.array(
+    [
+        [-3.0, -0.7, -1.2, -0.4, -9.0],
+        [-0.3, -2.1, -0.9, -1.6, -0.5],
+        [-0.2, -25.0, -7.0, -7.0, -7.0],
+        [-1.0, -1.0, -1.0, -1.0, -1.0],
+        [-1.4, -0.8, -2.2, -5.0, -5.0],
+    ],
+    np.float32,
+)
+TRL_DELTA = np.array(  # logp - old_logp
+    [
+        [3.0, 0.5, -0.1, 0.4, -4.0],
+        [0.2, 0.1, 0.15, -0.05, 0.3],
+        [21.0, -19.5, 2.0, 2.0, 2.0],
+        [0.7, 0.7, 0.7, 0.7, 0.7],
+        [-0.8, -0.6, -0.9, 1.0, 1.0],
+    ],
+    np.float32,
+)
+TRL_ADV = np.array([1.0, -0.5, 0.8, 1.3, -1.2], np.float32)
+TRL_IS_RATIO = np.array(  # TIS weights π_old/π_sampler (cap 2); 1 off the mask, where TRL sums them too
+    [
+        [1.0, 0.9, 1.2, 2.0, 1.0],
+        [1.1, 1.0, 0.8, 1.0, 1.3],
+        [0.5, 1.5, 1.0, 1.0, 1.0],
+        [1.0, 1.0, 1.0, 1.0, 1.0],
+        [2.0, 2.0, 0.7, 1.0, 1.0],
+    ],
+    np.float32,
+)
+# Expected values from TRL's `vespo` loss, huggingface/trl@f2cd57710ae345ea6428ae95363267fcf38a3dc8,
+# trl/trainer/grpo_trainer.py: `GRPOTrainer.get_gamma_weights` (its defaults k, λ = 2, 3 for A >= 0 and
+# 3, 2 for A < 0) and the `vespo` branch of `GRPOTrainer._compute_loss`, aggregated as for loss_type "vespo"
+# (Σ per_token_loss·mask / num_items_in_batch, one process). torch is not installed here, so the two were
+# transcribed line by line into numpy (float64) and run on the inputs above. φ is computed under no_grad,
+# so the gradient w.r.t. the log-probs is -φ_i·A_i·m_{i,t} / N_tokens. (loss, φ per sequence):
+TRL_EXPECTED = {
+    "plain": (
+        0.3984460458171896,
+        [0.12535284157887677, 1.0751869840003594, 0.3882274840370748, 1.0, 0.00609359117318359],
+    ),
+    "is_ratio": (
+        0.9411899837392513,
+        [2.5321065854039043e-4, 0.9013392953735924, 0.7520240275760433, 1.0, 0.09323880574407377],
+    ),
+}
+
+
+def _pad_to_6x12(x, value):
+    """Padding (an extra empty row, padding columns) around an array: it must change nothing."""
+    return jnp.asarray(np.pad(x, [(0, 6 - len(x))] + [(0, 12 - x.shape[-1])] * (x.ndim - 1), constant_values=value))
+
+
+def _one_sequence_per_row(log_ratios, lengths, B=6, T=12):
+    """Row i: `lengths[i]` tokens whose log-ratios sum to log_ratios[i] (split evenly); rows past the
+    given ones are empty."""
+    n = np.zeros(B, np.float32)
+    n[: len(lengths)] = lengths
+    s = np.zeros(B, np.float32)
+    s[: len(log_ratios)] = log_ratios
+    mask = (np.arange(T)[None] < n[:, None]).astype(np.float32)
+    logp = -np.linspace(0.5, 2.0, B * T, dtype=np.float32).reshape(B, T)
+    delta = mask * (s / np.maximum(n, 1.0))[:, None]
+    return jnp.asarray(logp), jnp.asarray(logp - delta), jnp.asarray(mask)
+
+
+def run_with_grad(variant, cfg, logp, old, adv, mask, ref=None, **kw):
+    """(loss, metric values, d loss / d logp) from one call: one compile under jit, not two."""
+    f = variant(jax.value_and_grad(functools.partial(policy_loss, cfg), has_aux=True))
+    (loss, m), g = f(logp, old, adv, mask, ref, **kw)
+    return loss, metrics.compute(m), np.asarray(g)
+
+
+class TestVespoAndSequenceSum(chex.TestCase):
+    """The TRL check runs eagerly and jitted; the rest eagerly only, to keep compiles few: jit's equality
+    with eager for both presets is `test_jitted_equals_eager`."""
+
+    @chex.variants(with_jit=True, without_jit=True)
+    @parameterized.named_parameters(("plain", "plain"), ("is_ratio", "is_ratio"))
+    def test_vespo_matches_trl_on_shared_inputs(self, case):
+        cfg = PRESETS["vespo"]
+        logp, old = _pad_to_6x12(TRL_LOGP, -3.0), _pad_to_6x12(TRL_LOGP - TRL_DELTA, 5.0)
+        adv, mask = _pad_to_6x12(TRL_ADV, 0.7), _pad_to_6x12(TRL_MASK, 0.0)
+        kw = dict(is_weight=_pad_to_6x12(TRL_IS_RATIO, 1.0)) if case == "is_ratio" else {}
+        want_loss, phi = TRL_EXPECTED[case]
+        loss, _, g = run_with_grad(self.variant, cfg, logp, old, adv, mask, **kw)
+        assert float(loss) == pytest.approx(want_loss, rel=1e-5)
+        want_g = -(np.array(phi) * TRL_ADV)[:, None] * TRL_MASK / TRL_MASK.sum()
+        np.testing.assert_allclose(g[:5, :5], want_g, rtol=1e-5, atol=1e-9)
+        assert np.all(g[5:] == 0) and np.all(g[:, 5:] == 0)
+
+    @chex.variants(without_jit=True)
+    def test_vespo_gamma_kernel_values_and_gradient(self):
+        cfg = PRESETS["vespo"]
+        w = np.array([1.0, 0.5, 2.0, 1.5, 1.0])  # 1.5 = k/λ for A < 0: the kernel's peak
+        a = np.array([2.0, 1.0, -1.0, -1.0, 0.0, 0.0], np.float32)  # row 5: empty
+        lengths = [1, 2, 3, 2, 2]
+        logp, old, mask = _one_sequence_per_row(np.log(w), lengths)
+        loss, met, g = run_with_grad(self.variant, cfg, logp, old, jnp.asarray(a), mask)
+        k, lam = np.where(a[:5] >= 0, 2.0, 3.0), np.where(a[:5] >= 0, 3.0, 2.0)
+        phi = np.append(w**k * np.exp(lam * (1 - w)), 0.0)  # [1, e^1.5/4, 8/e^2, 3.375/e, 1]; 0 for the empty row
+        n_tok, m = sum(lengths), np.asarray(mask)
+        assert float(loss) == pytest.approx(np.sum(-phi * a * (np.asarray(logp) * m).sum(1)) / n_tok, rel=1e-5)
+        np.testing.assert_allclose(g, -(phi * a)[:, None] * m / n_tok, rtol=1e-5, atol=1e-9)
+        assert g[0, 0] == pytest.approx(-2.0 / n_tok)  # φ(1) = 1: the plain policy gradient
+        assert float(met["clip_frac"]) == 0.0  # a soft kernel: nothing is hard-clipped
+        assert float(met["grad_weight_mean"]) == pytest.approx(np.sum(phi[:5] * lengths) / n_tok, rel=1e-5)
+        assert float(met["seq_ratio_max"]) == pytest.approx(2.0, rel=1e-5)  # W, not GSPO's s
+
+    @chex.variants(without_jit=True)
+    def test_vespo_on_policy_gradient_equals_dapos(self):
+        logp, _, adv, mask, _ = make_batch(20)  # DAPO aggregates with token_mean too; at ratio 1 all weights are 1
+        g = grad_logp(PRESETS["vespo"], logp, logp, adv, mask, None, self.variant)
+        np.testing.assert_allclose(g, grad_logp(PRESETS["dapo"], logp, logp, adv, mask, None, self.variant), rtol=1e-6)
+
+    @chex.variants(without_jit=True)
+    def test_vespo_folds_the_correction_into_w(self):
+        cfg = PRESETS["vespo"]
+        logp, old, adv, mask, _ = make_batch(21, spread=0.05)
+        w_BT = jnp.asarray(np.random.default_rng(0).uniform(0.6, 1.6, mask.shape), jnp.float32)
+        w_B = jnp.exp(jnp.sum(jnp.where(mask > 0, jnp.log(w_BT), 0.0), axis=-1))  # the same weight, per sequence
+        plain, _ = run(self.variant, cfg, logp, old, adv, mask)
+        ones, _ = run(self.variant, cfg, logp, old, adv, mask, is_weight=jnp.ones_like(mask))
+        tok, _ = run(self.variant, cfg, logp, old, adv, mask, is_weight=w_BT)
+        seq, _ = run(self.variant, cfg, logp, old, adv, mask, is_weight=w_B)
+        assert float(ones) == pytest.approx(float(plain), rel=1e-6)
+        assert float(tok) == pytest.approx(float(seq), rel=1e-5) and abs(float(tok) - float(plain)) > 1e-3
+
+    @chex.variants(without_jit=True)
+    def test_sequence_sum_is_the_clipped_product_and_sequence_sum_token_has_its_gradient(self):
+        """gspo_sum: W = Π_t r_t clipped per sequence with GSPO's band, loss -W·A (or the bound), gradient
+        -W·A on every token (no 1/|o|) or 0 if clipped. sequence_sum_token's per-token gradients are the same
+        up to the denominator (tokens, not sequences); clipping decisions are the sequence's, broadcast."""
+        gsum = PRESETS["gspo_sum"]
+        tok = LossConfig(ratio="sequence_sum_token", eps_low=3e-4, eps_high=4e-4, aggregation="token_mean")
+        logp, old, adv, mask, _ = make_batch(24, spread=2e-4)
+        m, a = np.asarray(mask, np.float64), np.asarray(adv, np.float64)
+        w = np.exp(((np.asarray(logp, np.float64) - np.asarray(old)) * m).sum(1))
+        high, low = (a > 0) & (w > 1 + 4e-4), (a < 0) & (w < 1 - 3e-4)
+        n_seq = (m.sum(1) > 0).sum()
+        loss, m1, g1 = run_with_grad(self.variant, gsum, logp, old, adv, mask)
+        want = np.where(high, -(1 + 4e-4) * a, np.where(low, -(1 - 3e-4) * a, -w * a))
+        assert float(loss) == pytest.approx(want.sum() / n_seq, rel=1e-5)
+        assert (
+            float(m1["seq_clip_frac"]) == pytest.approx((high | low).sum() / n_seq) and 0 < (high | low).sum() < n_seq
+        )
+        np.testing.assert_allclose(g1, np.where(high | low, 0.0, -w * a)[:, None] * m / n_seq, rtol=1e-5, atol=1e-9)
+        adv_BT = jnp.broadcast_to(adv[:, None], mask.shape)  # token-level advantages are accepted
+        _, m2, g2 = run_with_grad(self.variant, tok, logp, old, adv_BT, mask)
+        np.testing.assert_allclose(g1 * n_seq, g2 * m.sum(), rtol=1e-5, atol=1e-7)
+        for k in ("clip_frac", "clip_frac_low", "clip_frac_high", "seq_clip_frac", "seq_ratio_mean"):
+            assert float(m1[k]) == pytest.approx(float(m2[k]), rel=1e-6), k
+
+    @chex.variants(without_jit=True)
+    def test_sequence_sum_differs_from_gspo_by_the_length_only(self):
+        # one token per completion: W = s, so loss, diagnostics and gradient are GSPO's exactly
+        rng = np.random.default_rng(23)
+        mask = np.zeros((6, 12), np.float32)
+        mask[np.arange(6), rng.integers(0, 12, 6)] = 1
+        logp = jnp.asarray(-rng.exponential(1.0, (6, 12)), jnp.float32)
+        old = logp + jnp.asarray(rng.normal(0, 0.3, (6, 12)), jnp.float32)
+        adv, mask = jnp.asarray(rng.normal(0, 1, 6), jnp.float32), jnp.asarray(mask)
+        gspo, gsum = PRESETS["gspo"], PRESETS["gspo_sum"]
+        l1, m1, g1 = run_with_grad(self.variant, gspo, logp, old, adv, mask)
+        l2, m2, g2 = run_with_grad(self.variant, gsum, logp, old, adv, mask)
+        assert float(l1) == float(l2) and m1 == m2 and 0 < m1["seq_clip_frac"] < 1
+        np.testing.assert_array_equal(g1, g2)
+        # ten tokens at Δ = 1e-4 leave s = e^1e-4 inside GSPO's band [1 - 3e-4, 1 + 4e-4], not W = e^1e-3
+        logp, old, mask = _one_sequence_per_row([1e-3], [10])
+        adv = jnp.ones(6)
+        assert np.all(np.asarray(grad_logp(gspo, logp, old, adv, mask, None, self.variant))[0, :10] != 0)
+        assert np.all(np.asarray(grad_logp(gsum, logp, old, adv, mask, None, self.variant)) == 0)
+
+
+@pytest.mark.parametrize("name", ["vespo", "gspo_sum"])
+def test_jitted_equals_eager(name):
+    batch = make_batch(25, spread=2e-4 if name == "gspo_sum" else 0.1)
+    eager = run_with_grad(lambda f: f, PRESETS[name], *batch[:4])
+    jitted = run_with_grad(jax.jit, PRESETS[name], *batch[:4])
+    assert float(jitted[0]) == pytest.approx(float(eager[0]), rel=1e-6)
+    assert {k: float(v) for k, v in jitted[1].items()} == pytest.approx({k: float(v) for k, v in eager[1].items()})
+    np.testing.assert_allclose(jitted[2], eager[2], rtol=1e-6, atol=1e-9)
+
+
 # ------------------------------------------------------------------ config validation
 
 
@@ -471,6 +661,15 @@ def test_policy_loss_compiles_once_for_new_values(compile_counter):
         (dict(ratio="token", aggregation="sequence"), "aggregation"),
         (dict(aggregation="seq_mean_token_sum_norm"), "sum_norm_len"),
         (dict(aggregation="seq_mean_token_sum_norm", sum_norm_len=0.0), "sum_norm_len"),
+        (dict(gate="vespo"), "gate"),  # VESPO's kernel weighs the unnormalised sequence ratio only
+        (dict(ratio="sequence_sum", gate="vespo", aggregation="sequence"), "gate"),
+        (dict(ratio="sequence_sum_token", gate="cispo"), "gate"),
+        (dict(ratio="sequence_sum", aggregation="token_mean"), "aggregation"),
+        (dict(ratio="sequence_sum_token", aggregation="sequence"), "aggregation"),
+        (dict(ratio="sequence_sum", aggregation="sequence", is_correction="tis"), "is_level"),
+        (dict(vespo_lambda_pos=0.0), "vespo_lambda_pos"),
+        (dict(vespo_k_neg=-1.0), "vespo_k_neg"),
+        (dict(vespo_lambda_neg=float("inf")), "vespo_lambda_neg"),
     ],
 )
 def test_invalid_configs_raise_naming_the_field(kwargs, field):
@@ -489,6 +688,8 @@ def test_bad_arguments_raise_before_any_math():
         policy_loss(PRESETS["grpo"], logp, old, adv, mask)
     with pytest.raises(ValueError, match="sequence_token"):
         policy_loss(PRESETS["gspo"], logp, old, jnp.broadcast_to(adv[:, None], mask.shape), mask)
+    with pytest.raises(ValueError, match="sequence_sum_token"):
+        policy_loss(PRESETS["gspo_sum"], logp, old, jnp.broadcast_to(adv[:, None], mask.shape), mask)
     with pytest.raises(ValueError, match="advantages"):
         policy_loss(PRESETS["dapo"], logp, old, adv[:3], mask)
     with pytest.raises(AssertionError, match="old_logp"):  # chex shape check at the boundary
@@ -506,6 +707,11 @@ def test_presets_carry_the_paper_values():
     assert PRESETS["gmpo"].ratio == "geometric"
     assert PRESETS["cispo"].gate == "cispo"
     assert (PRESETS["sapo"].sapo_tau_pos, PRESETS["sapo"].sapo_tau_neg) == (1.0, 1.05)
+    v = PRESETS["vespo"]
+    assert (v.ratio, v.gate, v.aggregation, v.kl_coef) == ("sequence_sum_token", "vespo", "token_mean", 0.0)
+    assert (v.vespo_k_pos, v.vespo_lambda_pos, v.vespo_k_neg, v.vespo_lambda_neg) == (2.0, 3.0, 3.0, 2.0)
+    s = PRESETS["gspo_sum"]  # GSPO but for the 1/|o|
+    assert dataclasses.replace(s, ratio="sequence") == PRESETS["gspo"] and s.ratio == "sequence_sum"
 
 
 # ------------------------------------------------------------------ property-based
@@ -549,7 +755,7 @@ class TestProperties(chex.TestCase):
     @HYP
     @given(
         batch=batches(per_token_adv=True),
-        name=st.sampled_from(["grpo", "dapo", "gspo_token", "cispo", "sapo", "dr_grpo"]),
+        name=st.sampled_from(["grpo", "dapo", "gspo_token", "cispo", "sapo", "dr_grpo", "vespo"]),
     )
     def test_property_masked_values_are_ignored(self, batch, name):
         cfg = PRESETS[name]
