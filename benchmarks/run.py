@@ -16,6 +16,8 @@ Sections:
              evaluation, checkpoint + logging), with drift on every sequence, every 4th, or off; the
              compiles after warm-up and the time to the first finished iteration, cold and with the
              persistent compilation cache filled by a previous run
+  diagnostics  the default config's iteration with drift and routing diagnostics on, drift only, and
+             both off: the share of an iteration the research instruments cost
 
 Useful FLOPs are analytic (`gspo_jax/flops.py`), never XLA's cost analysis (it counts a loop body
 once): a train step is 6 × (active matmul parameters) × tokens plus attention, 12 × layers × B × T² ×
@@ -49,7 +51,7 @@ from gspo_jax.flops import matmul_params, train_flops
 from gspo_jax.sampler import Sampler, left_pad, sample_logits
 from gspo_jax.sharding import make_mesh, mesh_from_config, under_mesh
 
-SECTIONS = ("peak", "train", "loss", "moe", "sampler", "iteration")
+SECTIONS = ("peak", "train", "loss", "moe", "sampler", "iteration", "diagnostics")
 RESULTS = Path(__file__).with_name("results.json")
 
 
@@ -346,6 +348,28 @@ def iteration(size: str, repeats: int) -> dict:
     return out
 
 
+def diagnostics_cost(size: str, repeats: int) -> dict:
+    """What the research instruments cost on the default config: drift and routing diagnostics on,
+    drift alone, and both off, each iteration split as in `iteration` (iterations 2..N-1: compiled,
+    not the last, which evaluates); `share` is the part of an instrumented iteration they take."""
+    del repeats
+    out = {}
+    for name, drift, diag in (("on", True, True), ("drift_only", True, False), ("off", False, False)):
+        c = base_config("gspo", "tiny" if size == "tiny" else "default")
+        c.train.update(num_iterations=6 if size == "tiny" else 14, eval_every=1000, checkpoint_every=1000)
+        c.train.update(drift_metrics=drift, routing_diagnostics=diag)
+        c.warm_start.steps = 0
+        rows, _ = _run_iterations(c)
+        last = c.train.num_iterations - 1
+        wall = [b["time"] - a["time"] for a, b in zip(rows[1:], rows[2:]) if 2 <= b["step"] <= last]
+        warm = [r for r in rows if 2 <= r["step"] <= last]
+        split = {k: float(np.median([r[k] for r in warm])) for k in SPLIT}
+        out[name] = dict(seconds=float(np.median(wall)), split=split)
+    out["share"] = 1.0 - out["off"]["seconds"] / out["on"]["seconds"]
+    out["drift_share"] = out["on"]["split"]["drift_seconds"] / out["on"]["seconds"]
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", action="append", choices=SECTIONS, help="run only these sections")
@@ -406,6 +430,17 @@ def main():
             f"first iteration with a persistent compilation cache (1 iteration + final evaluation): cold "
             f"{cache['seconds_to_first_iteration_cold']:.1f} s, warm {cache['seconds_to_first_iteration_warm']:.1f} s"
         )
+    if "diagnostics" in sections:
+        results["diagnostics"] = d = diagnostics_cost(args.size, repeats)
+        print(
+            f"drift + routing diagnostics on the {'tiny' if args.size == 'tiny' else 'default'} config: "
+            f"{d['on']['seconds']:.3f} s/iteration on, {d['drift_only']['seconds']:.3f} drift only, "
+            f"{d['off']['seconds']:.3f} off: {d['share']:.1%} of an iteration (drift pass alone {d['drift_share']:.1%})"
+        )
+        for name in ("on", "drift_only", "off"):
+            print(
+                f"  {name}: " + ", ".join(f"{k.removesuffix('_seconds')} {v:.3f}" for k, v in d[name]["split"].items())
+            )
     Path(args.out).write_text(json.dumps(results, indent=2, default=float))
     print(f"wrote {args.out}")
 

@@ -659,11 +659,14 @@ def logprobs(
     positions_BT: jax.Array,
     forced_topk_BLTK: jax.Array | None = None,
     temperature: float | jax.Array = 1.0,
+    return_router_logits: bool = False,
 ) -> tuple[jax.Array, ModelAux]:
     """`sequence_logprobs` of the model's own forward over `tokens_BT` (float32 [B, T], position 0 gets
     0) and `ModelAux`, with the LM head run in chunks of `ModelConfig.logprob_chunk` positions."""
     model = nnx.merge(graphdef, state)
-    x_BTD, aux = model.hidden(tokens_BT, positions_BT, forced_topk=forced_topk_BLTK)
+    x_BTD, aux = model.hidden(
+        tokens_BT, positions_BT, forced_topk=forced_topk_BLTK, return_router_logits=return_router_logits
+    )
     logp_BT = sequence_logprobs_from_hidden(x_BTD, model.head(), tokens_BT, temperature, model.cfg.logprob_chunk)
     return logp_BT, aux
 

@@ -82,6 +82,81 @@ def routing_drift(
     return out
 
 
+def flipped_tokens(old_BLTK: Array, new_BLTK: Array) -> Array:
+    """bool [B, T]: tokens whose expert set changed in at least one MoE layer."""
+    k = old_BLTK.shape[-1]
+    return jnp.any(overlap(old_BLTK, new_BLTK) < k, axis=1)
+
+
+# Edges of the router-margin buckets (probability units): [0, .01), [.01, .03), ..., [.3, 1].
+MARGIN_EDGES = (0.01, 0.03, 0.1, 0.3)
+
+
+def router_margin(probs_BLTE: Array, k: int) -> Array:
+    """p_(k) − p_(k+1) per (token, layer): how far the k-th chosen expert is from the first one left
+    out, the distance a top-k set has to cross to change. float32 [B, L, T]."""
+    top_BLTk = jax.lax.top_k(probs_BLTE, k + 1)[0]
+    return top_BLTk[..., k - 1] - top_BLTk[..., k]
+
+
+def expert_load(topk_BLTK: Array, valid_BT: Array, num_experts: int) -> Array:
+    """Each expert's share of a layer's routed (token, slot) assignments: float32 [L, E], rows sum to 1
+    (uniform: 1/E)."""
+    counts_LE = expert_counts(topk_BLTK, valid_BT, num_experts).astype(jnp.float32)
+    return counts_LE / jnp.maximum(jnp.sum(counts_LE, axis=-1, keepdims=True), 1.0)
+
+
+def expert_counts(topk_BLTK: Array, valid_BT: Array, num_experts: int) -> Array:
+    """How many valid (token, slot) assignments each expert of each layer got: int32 [L, E]."""
+    onehot_BLTKE = jax.nn.one_hot(topk_BLTK, num_experts, dtype=jnp.int32)
+    return jnp.sum(onehot_BLTKE * valid_BT[:, None, :, None, None].astype(jnp.int32), axis=(0, 2, 3))
+
+
+def routing_diagnostics(old_BLTK: Array, new_BLTK: Array, new_logits_BLTE: Array, valid_BT: Array) -> dict[str, Array]:
+    """What the router of π_θ (`new_*`) looks like and how its choices moved from π_old's (`old_BLTK`).
+
+    router_margin       mean p_(k) − p_(k+1) under π_θ
+    router_entropy      mean entropy of π_θ's router softmax, nats (uniform: log E)
+    margin_bucket_frac  [M] share of (token, layer) pairs per margin bucket (`MARGIN_EDGES`)
+    flip_rate_by_margin [M] fraction of those pairs whose expert set differs from π_old's
+    load_old, load_new  [L, E] `expert_load` under π_old's and π_θ's routing
+    load_max_per_layer  [L] E · max_e load_new: 1 when balanced, E when one expert takes all
+    load_moved_per_layer [L] total variation between load_old and load_new
+    """
+    _, L, _, k = old_BLTK.shape
+    E = new_logits_BLTE.shape[-1]
+    valid_BT = valid_BT.astype(bool)
+    valid_BLT = jnp.broadcast_to(valid_BT[:, None], old_BLTK.shape[:3])
+    n = jnp.maximum(jnp.sum(valid_BLT), 1).astype(jnp.float32)
+    mean = lambda x_BLT: jnp.sum(jnp.where(valid_BLT, x_BLT, 0.0)) / n
+    logp_BLTE = jax.nn.log_softmax(new_logits_BLTE.astype(jnp.float32), axis=-1)
+    probs_BLTE = jnp.exp(logp_BLTE)
+    entropy_BLT = -jnp.sum(probs_BLTE * logp_BLTE, axis=-1)
+    # With k = E every expert is chosen: the set cannot change, the margin is taken as 1.
+    margin_BLT = router_margin(probs_BLTE, k) if k < E else jnp.ones(old_BLTK.shape[:3], jnp.float32)
+    bucket_BLT = jnp.searchsorted(jnp.asarray(MARGIN_EDGES, jnp.float32), margin_BLT, side="right")
+    in_bucket_MBLT = (bucket_BLT == jnp.arange(len(MARGIN_EDGES) + 1)[:, None, None, None]) & valid_BLT
+    flipped_BLT = overlap(old_BLTK, new_BLTK) < k
+    hits_M = jnp.sum(in_bucket_MBLT, axis=(1, 2, 3)).astype(jnp.float32)
+    flips_M = jnp.sum(in_bucket_MBLT & flipped_BLT, axis=(1, 2, 3)).astype(jnp.float32)
+    load_old_LE = expert_load(old_BLTK, valid_BT, E)
+    load_new_LE = expert_load(new_BLTK, valid_BT, E)
+    # Both routings assign the same number of slots: the load's TV from integer counts (exactly 0
+    # when nothing moved).
+    moved_LE = jnp.abs(expert_counts(new_BLTK, valid_BT, E) - expert_counts(old_BLTK, valid_BT, E))
+    slots = jnp.maximum(jnp.sum(valid_BT), 1).astype(jnp.float32) * k
+    return dict(
+        router_margin=mean(margin_BLT),
+        router_entropy=mean(entropy_BLT),
+        margin_bucket_frac=hits_M / n,
+        flip_rate_by_margin=flips_M / jnp.maximum(hits_M, 1.0),
+        load_old=load_old_LE,
+        load_new=load_new_LE,
+        load_max_per_layer=E * jnp.max(load_new_LE, axis=-1),
+        load_moved_per_layer=0.5 * jnp.sum(moved_LE, axis=-1).astype(jnp.float32) / slots,
+    )
+
+
 def log_ratio_decomposition(
     logp_own_BT: Array, logp_replayed_BT: Array, old_logp_BT: Array, mask_BT: Array
 ) -> dict[str, Array]:
@@ -114,14 +189,26 @@ class RolloutTokens(Protocol):
     topk: Array  # int32 [B, L, T, K]: π_old's routing
 
 
-def measure_drift(graphdef: nnx.GraphDef, temperature: float, params, batch: RolloutTokens) -> dict[str, Array]:
+def measure_drift(
+    graphdef: nnx.GraphDef, temperature: float, diagnostics: bool, params, batch: RolloutTokens
+) -> dict[str, Array]:
     """How an update moved routing and log-probs on the rollout's own tokens: the routing drift of
     π_θ (`params`) against π_old's routing in `batch`, and the log-ratio split into routing and the
-    rest (π_θ scored once with its own routing, once with π_old's replayed). Pure; jit it with
-    `graphdef` and `temperature` static."""
-    score = lambda forced: model_lib.score(graphdef, temperature, params, batch.tokens, batch.positions, forced)
-    logp_own_BT, topk_new_BLTK = score(None)
-    logp_replayed_BT, _ = score(batch.topk)
+    rest (π_θ scored once with its own routing, once with π_old's replayed); with `diagnostics`, also
+    `routing_diagnostics` from the first forward's router logits (no extra forward). Pure; jit it
+    with `graphdef`, `temperature` and `diagnostics` static."""
+
+    def own(tokens_BT, positions_BT):
+        logp_BT, aux = model_lib.logprobs(
+            graphdef, params, tokens_BT, positions_BT, None, temperature, return_router_logits=diagnostics
+        )
+        return logp_BT, aux.topk, aux.router_logits
+
+    chunks = nnx.merge(graphdef, params).cfg.batch_chunks
+    logp_own_BT, topk_new_BLTK, logits_BLTE = model_lib.in_batch_chunks(own, chunks, batch.tokens, batch.positions)
+    logp_replayed_BT, _ = model_lib.score(graphdef, temperature, params, batch.tokens, batch.positions, batch.topk)
     out = routing_drift(batch.topk, topk_new_BLTK, batch.completion_mask)
     out.update(log_ratio_decomposition(logp_own_BT, logp_replayed_BT, batch.old_logp, batch.completion_mask))
+    if diagnostics and batch.topk.shape[1] > 0:
+        out.update(routing_diagnostics(batch.topk, topk_new_BLTK, logits_BLTE, batch.completion_mask))
     return out

@@ -100,6 +100,7 @@ class StepConfig:
     temperature: float  # log-probs are scored at the sampling temperature
     replay: bool  # route with the batch's top-k (R2 / R3) instead of the live router
     microbatches: int
+    routing_diagnostics: bool = False  # the flipped-vs-unflipped split of the loss's diagnostics
     # The update is the only one on its batch and starts at π_old (`shares_old_forward`): its own
     # forward gives π_old's log-probs and routing (old_logp = stop_gradient(logp), exactly ratio 1),
     # and the step returns them, so the batch needs no separate scoring forward.
@@ -142,15 +143,35 @@ def train_step(
     denom = losses.loss_denominator(cfg, correct(batch.old_logp, batch).mask_BT)
     micro = jax.tree.map(lambda x: model_lib.split_batch(x, M), batch)  # strided: see `split_batch`
 
+    # π_θ's routing against π_old's, per token: on-policy they are the same policy, so nothing to split.
+    split = static.routing_diagnostics and not static.on_policy and batch.topk.shape[1] > 0
+
     def loss_fn(params, mb: TrainBatch):
         forced = mb.topk if static.replay and not static.on_policy else None
-        logp_BT, aux = model_lib.logprobs(static.graphdef, params, mb.tokens, mb.positions, forced, static.temperature)
+        logp_BT, aux = model_lib.logprobs(
+            static.graphdef, params, mb.tokens, mb.positions, forced, static.temperature, split and forced is not None
+        )
         old_BT = jax.lax.stop_gradient(logp_BT) if static.on_policy else mb.old_logp
         ref_BT = mb.ref_logp if cfg.kl_coef > 0 else None
         c = correct(old_BT, mb)
-        loss, metrics = losses.policy_loss(
-            cfg, logp_BT, old_BT, mb.advantages, c.mask_BT, ref_BT, denominator=denom, is_weight=c.weight
+        flipped_BT = None
+        if split:  # under replay the forward used π_old's routing; the router's own choice is its top-k
+            own_BLTK = aux.topk if forced is None else jax.lax.top_k(aux.router_logits, mb.topk.shape[-1])[1]
+            flipped_BT = routing.flipped_tokens(mb.topk, own_BLTK)
+        pl = functools.partial(
+            losses.policy_loss,
+            cfg,
+            old_logp=old_BT,
+            advantages=mb.advantages,
+            mask=c.mask_BT,
+            ref_logp=ref_BT,
+            denominator=denom,
+            is_weight=c.weight,
         )
+        loss, metrics = pl(logp_BT, flipped=flipped_BT)
+        if split:  # each token's |∂loss/∂logp_t|: how much of the update flipped tokens drive
+            g_BT = jnp.abs(jax.grad(lambda lp: pl(lp)[0])(jax.lax.stop_gradient(logp_BT)))
+            metrics["grad_share_flipped"] = Mean(jnp.sum(jnp.where(flipped_BT, g_BT, 0.0)), jnp.sum(g_BT), math.nan)
         metrics.update(c.metrics)
         total = loss + aux.aux_loss / M
         metrics.update(lb_loss=Mean(aux.lb_loss, 1), z_loss=Mean(aux.z_loss, 1), total_loss=Sum(total))
@@ -241,6 +262,7 @@ def compile_programs(config, built: config_lib.Built, graphdef, params, mesh) ->
         temperature=temperature,
         replay=t.routing_replay != "none",
         microbatches=t.microbatches,
+        routing_diagnostics=bool(t.routing_diagnostics),
         on_policy=shares_old_forward(t, built.loss),
     )
     # Module-level functions with their static arguments marked, not closures: equal configs (a run
@@ -257,14 +279,14 @@ def compile_programs(config, built: config_lib.Built, graphdef, params, mesh) ->
         on_mesh(model_lib.score), static_argnums=(0, 1), in_shardings=(param_sh, b2, b2), out_shardings=(b2, bs(4))
     )
     drift = jax.jit(
-        on_mesh(routing.measure_drift), static_argnums=(0, 1), in_shardings=(param_sh, batch_sh), out_shardings=rep
+        on_mesh(routing.measure_drift), static_argnums=(0, 1, 2), in_shardings=(param_sh, batch_sh), out_shardings=rep
     )
     return Programs(
         train_step=functools.partial(step, static),
         take=jax.jit(take_rows, in_shardings=(batch_sh, rep), out_shardings=batch_sh),
         take_scored=jax.jit(take_rows, in_shardings=(Scored(b2, bs(4)), rep), out_shardings=Scored(b2, bs(4))),
         score=functools.partial(score, graphdef, temperature),
-        drift=functools.partial(drift, graphdef, temperature),
+        drift=functools.partial(drift, graphdef, temperature, bool(t.routing_diagnostics)),
         on_policy=static.on_policy,
         optimizer=tx,
         state_shardings=state_sh,
@@ -331,7 +353,10 @@ def rl_iteration(
     t_drift = time.perf_counter()
     if t.drift_metrics:
         sub = full if t.drift_subsample == 1 else programs.take(full, np.arange(0, B, t.drift_subsample))
-        metrics.update(drift_to_log(programs.drift(state.params, sub)))
+        drift = programs.drift(state.params, sub)
+        metrics.update(drift_to_log(drift))
+        if (loads := expert_loads(drift)) is not None:
+            metrics["expert_loads"] = loads  # not a scalar: `_run` writes it to routing.jsonl
     metrics.update(
         rollout_seconds=t_rollout,
         logprob_seconds=t_logprobs,
@@ -391,11 +416,27 @@ def _positions(prompt_mask_BT, completion_mask_BT):
 
 
 def drift_to_log(drift: dict[str, Array]) -> dict[str, float]:
-    """`drift_*` scalars, the per-layer flip rates as `drift_flip_rate_layer{i}`."""
-    out = {f"drift_{k}": float(v) for k, v in drift.items() if k != "flip_rate_per_layer"}
-    for i, v in enumerate(np.asarray(drift["flip_rate_per_layer"])):
-        out[f"drift_flip_rate_layer{i}"] = float(v)
+    """`drift_*` scalars: per-layer values `x_per_layer` as `drift_x_layer{i}` (`drift_flip_rate_layer{i}`),
+    per-bucket ones as `drift_x_bucket{i}`; the [L, E] expert loads stay out (`expert_loads`)."""
+    out = {}
+    for k, v in jax.device_get(drift).items():
+        v = np.asarray(v)
+        if k in ("load_old", "load_new"):
+            continue
+        if k.endswith("_per_layer"):
+            out.update({f"drift_{k[: -len('_per_layer')]}_layer{i}": float(x) for i, x in enumerate(v)})
+        elif v.ndim == 1:  # by margin bucket
+            out.update({f"drift_{k}_bucket{i}": float(x) for i, x in enumerate(v)})
+        else:
+            out[f"drift_{k}"] = float(v)
     return out
+
+
+def expert_loads(drift: dict[str, Array]) -> dict[str, list] | None:
+    """π_old's and π_θ's per-expert load of each MoE layer ([L][E] lists), when the drift measured them."""
+    if "load_new" not in drift:
+        return None
+    return {k: np.asarray(drift[k]).tolist() for k in ("load_old", "load_new")}
 
 
 class StoppedEarly(Exception):
@@ -482,6 +523,8 @@ def _run(config, built: config_lib.Built, workdir: Path, *, progress: bool, log_
             if (it + 1) % t.eval_every == 0 or it + 1 == t.num_iterations:
                 metrics.update(evaluation(state.params), eval_seconds=time.perf_counter() - t0)
             metrics["xla_compiles"] = float(compiles.count)
+            if (loads := metrics.pop("expert_loads", None)) is not None:
+                writer.write_routing(it + 1, loads)
             writer.write(it + 1, metrics)  # before the save: a step is never checkpointed without its row
             last = metrics
             meta = dict(iteration=it, prompts=prompts.state())

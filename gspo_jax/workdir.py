@@ -21,7 +21,7 @@ from typing import Any
 import ml_collections
 
 from gspo_jax.validation import ConfigError
-from gspo_jax.writers import METRICS_FILE, SAMPLES_FILE
+from gspo_jax.writers import METRICS_FILE, ROUTING_FILE, SAMPLES_FILE
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,7 @@ RESUMABLE_KEYS = (
     "train.checkpoint_every",
     "train.keep_checkpoints",
     "train.drift_subsample",  # what drift is measured on, not what trains
+    "train.routing_diagnostics",  # what is logged, not what trains
     "warm_start.cache_dir",
 )
 
@@ -160,7 +161,7 @@ def drop_rows_after(workdir: Path, step: int) -> int:
     """Removes metric and sample rows of steps > `step` (work past the restored checkpoint, which
     the resumed run repeats), rewriting each file atomically; returns how many rows went."""
     total = 0
-    for name in (METRICS_FILE, SAMPLES_FILE):
+    for name in (METRICS_FILE, SAMPLES_FILE, ROUTING_FILE):
         path = workdir / name
         if not path.exists():
             continue

@@ -1,5 +1,6 @@
 """Metric logging from process 0: one JSON line per step in `<workdir>/metrics.jsonl`, sample
-completions in `<workdir>/samples.jsonl`, and the same as TensorBoard scalars / text in `<workdir>/tb`.
+completions in `<workdir>/samples.jsonl`, per-expert loads in `<workdir>/routing.jsonl`, and the
+scalars and text as TensorBoard events in `<workdir>/tb`.
 
 JSONL is the source of truth (plots are made from it); TensorBoard is optional (tensorboardX, no
 TensorFlow). Non-finite floats are written as the strings "nan", "inf" and "-inf" so every line is
@@ -25,6 +26,7 @@ log = logging.getLogger(__name__)
 
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
+ROUTING_FILE = "routing.jsonl"  # per step: {"load_old": [L][E], "load_new": [L][E]} (routing.expert_load)
 TB_DIR = "tb"
 _RESERVED = ("step", "time")
 _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
@@ -75,6 +77,12 @@ class MetricWriter:
         if self._tb is not None:
             self._tb.add_text(name, str(text), int(step))
             self._tb.flush()
+
+    def write_routing(self, step: int, record: Mapping[str, Any]) -> None:
+        """Records per-step arrays too big for scalar metrics (e.g. each MoE layer's expert loads)."""
+        if not self.enabled:
+            return
+        self._append(ROUTING_FILE, {"step": int(step), "time": time.time(), **record})
 
     def close(self) -> None:
         for f in self._files.values():

@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from gspo_jax.algorithms import ALGORITHMS
+
 ROOT = Path(__file__).resolve().parents[1]
+SPLIT = ("rollout_seconds", "logprob_seconds", "update_seconds", "drift_seconds")  # benchmarks.run.SPLIT
 
 
 @pytest.mark.slow
@@ -30,7 +33,7 @@ def test_runner_produces_every_figure(tmp_path):
     positive = lambda x: isinstance(x, (int, float)) and math.isfinite(x) and x > 0
     assert positive(res["peak"]["flops_per_s"])
     assert all(positive(v["mfu"]) and positive(v["flops"]) for v in res["train"].values())
-    assert len(res["loss"]["by_objective"]) == 8
+    assert set(res["loss"]["by_objective"]) == set(ALGORITHMS)
     assert all(positive(v["share_of_train_step"]) for v in res["loss"]["by_objective"].values())
     assert res["moe"]["rows"] and all(
         positive(r[f"{path}_seconds"]) for r in res["moe"]["rows"] for path in ("dense", "ragged", "sparse")
@@ -54,3 +57,7 @@ def test_runner_produces_every_figure(tmp_path):
             "other_seconds",
         }
         assert it["compiles_after_warmup"] == 0  # fixed shapes: nothing compiles after the first iteration
+    d = res["diagnostics"]
+    assert all(positive(d[k]["seconds"]) for k in ("on", "drift_only", "off"))
+    assert positive(d["on"]["split"]["drift_seconds"]) and set(d["on"]["split"]) == set(SPLIT)
+    assert math.isfinite(d["share"]) and 0 < d["drift_share"] < 1

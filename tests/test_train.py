@@ -14,7 +14,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gspo_jax import train
+from gspo_jax import losses, train
+from gspo_jax import model as model_lib
 from gspo_jax.checkpoint import Checkpointer
 from gspo_jax.config import base_config, build
 from gspo_jax.sharding import mesh_from_config
@@ -165,6 +166,58 @@ def test_masked_is_equals_leaving_those_tokens_out_and_truncated_is_logs_its_wei
     assert tis["is_weight_mean"] == pytest.approx(0.5) and tis["is_cut_frac"] == 0.0
 
 
+@pytest.mark.parametrize("replay", ["none", "R2"])
+def test_the_step_splits_clipping_ratio_noise_and_gradient_by_flipped_routing(replay):
+    """Rows whose recorded routing differs (in the last MoE layer) from the policy's own are the
+    flipped tokens, with or without replay; the split adds up to the whole (clip fraction) and the
+    flipped share of |∂loss/∂logp| equals the hand computation from the loss alone."""
+    c = tiny("grpo")
+    c.train.routing_replay = replay
+    s = Setup(c)
+    batch = minibatch(s, seed=5)
+    rng = np.random.default_rng(5)
+    batch = batch.replace(old_logp=batch.old_logp + rng.normal(0, 0.3, batch.old_logp.shape).astype(np.float32))
+    E = s.built.model.num_experts
+    topk = np.asarray(batch.topk).copy()
+    topk[::2, -1] = (topk[::2, -1] + 1) % E  # the last layer: upstream routing (and hidden states) unchanged
+    flipped = np.zeros(topk.shape[0], bool)
+    flipped[::2] = True
+    _, m, _ = s.step(batch.replace(topk=jnp.asarray(topk)))
+    m = values(m)
+    mask = np.asarray(batch.loss_mask) > 0
+    assert m["flipped_frac"] == pytest.approx(mask[flipped].sum() / mask.sum())
+    split = m["flipped_frac"] * m["clip_frac_flipped"] + (1 - m["flipped_frac"]) * m["clip_frac_unflipped"]
+    assert m["clip_frac"] > 0 and split == pytest.approx(m["clip_frac"], rel=1e-5)
+    forced = jnp.asarray(topk) if replay != "none" else None  # under replay the loss's π_θ routes as told
+    temperature = float(s.built.rollout.temperature) or 1.0
+    logp, _ = model_lib.score(s.graphdef, temperature, s.params, batch.tokens, batch.positions, forced)
+    delta = np.abs(np.asarray(logp) - np.asarray(batch.old_logp))
+    assert m["abs_log_ratio_flipped"] == pytest.approx(delta[mask & flipped[:, None]].mean(), rel=1e-4)
+    cfg = s.built.loss
+    loss = lambda lp: losses.policy_loss(
+        cfg,
+        lp,
+        batch.old_logp,
+        batch.advantages,
+        batch.loss_mask,
+        batch.ref_logp,
+        denominator=losses.loss_denominator(cfg, batch.loss_mask > 0),
+    )[0]
+    g = np.abs(np.asarray(jax.grad(loss)(logp)))
+    assert m["grad_share_flipped"] == pytest.approx(g[flipped].sum() / g.sum(), rel=1e-4)
+
+
+def test_routing_diagnostics_switch_off():
+    c = tiny("grpo")
+    c.train.routing_diagnostics = False
+    s = Setup(c)
+    batch = minibatch(s)
+    _, m, _ = s.step(batch)
+    assert "flipped_frac" not in m and "grad_share_flipped" not in m and "clip_frac" in m
+    drift = s.programs.drift(s.params, jax.device_put(batch, s.programs.batch_shardings))
+    assert "router_margin" not in drift and "router_flip_rate" in drift
+
+
 @pytest.mark.parametrize(
     "epochs, minibatches, source, replay, shared",
     [
@@ -286,6 +339,19 @@ def test_tiny_end_to_end_compiles_once_checkpoints_and_resumes_bitwise(tmp_path,
         assert resumed[s]["loss"] == last[s]["loss"] and resumed[s]["reward_mean"] == last[s]["reward_mean"]
     assert any((tmp_path / "full" / "checkpoints").iterdir())
     assert list((tmp_path / "full").glob("*.png")) or list((tmp_path / "full").glob("plots/*.png"))
+    # routing diagnostics, every iteration: the split of the loss by flipped routing, the router's
+    # margin / entropy / load; the per-expert loads of each layer in routing.jsonl (resumed: no duplicates)
+    L, E = c.model.num_layers - len(c.model.dense_layers), c.model.num_experts
+    for r in lines[1:]:
+        assert 0 <= r["flipped_frac"] <= 1 and 0 <= r["drift_router_margin"] <= 1
+        assert 0 < r["drift_router_entropy"] <= np.log(E) + 1e-6
+        assert sum(r[f"drift_margin_bucket_frac_bucket{i}"] for i in range(5)) == pytest.approx(1.0)
+        assert all(1 <= r[f"drift_load_max_layer{i}"] <= E for i in range(L))
+    for run in ("full", "resumed"):
+        rows = [json.loads(x) for x in (tmp_path / run / "routing.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        assert np.asarray(rows[0]["load_new"]).shape == (L, E)
+        np.testing.assert_allclose(np.sum(rows[0]["load_old"], axis=-1), 1.0, rtol=1e-6)
 
 
 @pytest.mark.slow
@@ -354,7 +420,7 @@ def test_cli_rejects_bad_overrides_in_one_line_without_touching_the_workdir(tmp_
     assert [p.name for p in work.iterdir()] == ["keep.txt"] and (work / "keep.txt").read_text() == "precious"
 
 
-@pytest.mark.parametrize("name", ["grpo", "dapo", "gspo", "gspo_token", "dr_grpo", "gmpo", "cispo", "sapo"])
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "configs").glob("*.py")))
 @pytest.mark.parametrize("size", ["tiny", "default", "qwen3_30b_a3b"])
 def test_every_config_builds(name, size):
     import importlib.util
@@ -363,9 +429,14 @@ def test_every_config_builds(name, size):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     built = build(mod.get_config(size))
-    assert built.loss.ratio == {"gspo": "sequence", "gspo_token": "sequence_token", "gmpo": "geometric"}.get(
-        name, "token"
-    )
+    ratios = {
+        "gspo": "sequence",
+        "gspo_token": "sequence_token",
+        "gmpo": "geometric",
+        "gspo_sum": "sequence_sum",
+        "vespo": "sequence_sum_token",
+    }
+    assert built.loss.ratio == ratios.get(name, "token")
 
 
 @pytest.mark.slow
