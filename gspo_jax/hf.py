@@ -17,6 +17,7 @@ attention, stacked over experts for MoE), so every matrix is transposed on the w
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
@@ -247,6 +248,31 @@ def config_to_hf(cfg: model_lib.ModelConfig, model_type: str = "qwen3_moe", *, e
             max_position_embeddings=131072,
         )
     hf.update(extra or {})
+    return hf
+
+
+# `ModelConfig` fields that say how a run computes or trains, not what the model is: an HF config does
+# not hold them, and a model exported without them computes the same function (HF computes in the
+# weights' dtype: a run with dtype != param_dtype differs from its export by that rounding only).
+RUN_FIELDS = ("z_loss_coef", "dispatch", "dtype", "scan_layers", "remat", "logprob_chunk", "batch_chunks")
+
+
+def exportable_config(
+    cfg: model_lib.ModelConfig, model_type: str = "qwen3_moe", *, extra: Mapping | None = None
+) -> dict:
+    """`config_to_hf(cfg, model_type, extra=extra)`, checked to read back (`config_from_hf`) as the same
+    model: ValueError naming the first `ModelConfig` field that would come back different."""
+    hf = config_to_hf(cfg, model_type, extra=extra)
+    back = config_from_hf(json.loads(json.dumps(hf)), **{f: getattr(cfg, f) for f in RUN_FIELDS})
+    for field in dataclasses.fields(cfg):
+        name = field.name
+        if name == "mlp_dim" and cfg.num_moe_layers == cfg.num_layers:
+            continue  # no dense layer uses it (Mixtral configs cannot hold it)
+        if getattr(back, name) != getattr(cfg, name):
+            raise ValueError(
+                f"config_to_hf: ModelConfig.{name}={getattr(cfg, name)!r} cannot be expressed as {model_type} "
+                f"(it would load back as {getattr(back, name)!r})"
+            )
     return hf
 
 

@@ -1,10 +1,19 @@
-"""Converts Hugging Face Qwen3-MoE / Mixtral checkpoints to and from our orbax format.
+"""Converts Hugging Face Qwen3-MoE / Mixtral checkpoints to and from our orbax format and from training runs.
 
 Usage:
     # HF safetensors directory -> JAX directory (orbax nnx.State + model_config.json)
     python scripts/convert_hf.py --in HF_DIR --out JAX_DIR --direction hf2jax [--dtype bfloat16]
     # JAX directory -> HF directory loadable by transformers.AutoModelForCausalLM.from_pretrained
     python scripts/convert_hf.py --in JAX_DIR --out HF_DIR --direction jax2hf [--max-shard-bytes N]
+    # a run's checkpoint (default: its newest finished one) -> HF directory, tokenizer included
+    python scripts/convert_hf.py --in WORKDIR --out HF_DIR --direction run2hf [--step N] [--model-type mixtral]
+
+run2hf reads the run's workdir only (it may still be training) and writes the policy parameters of the
+step, bitwise, with config.json (the run's model; the tokenizer's bos/eos/pad ids) and the run's
+tokenizer files (config.tokenizer_path, or the built-in tokenizer). The model type defaults to that of
+the run's config.hf_checkpoint, else qwen3_moe (mixtral for a model without q/k norm); a model the type
+cannot express, a missing step or a non-empty --out (without --overwrite) is refused before anything
+is written.
 
 JAX_DIR holds `state/` (an `orbax.checkpoint.StandardCheckpointer` save of the model's
 `nnx.State`, restorable against `gspo_jax.model.abstract_model(cfg)[1]`), `model_config.json`
@@ -20,10 +29,17 @@ import json
 import os
 from pathlib import Path
 
-import orbax.checkpoint as ocp
+# This project never uses PyTorch: keep transformers' notice about its absence off stderr, so that a
+# refused export prints exactly one line.
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from gspo_jax import hf
-from gspo_jax import model as model_lib
+import jax  # noqa: E402
+import orbax.checkpoint as ocp  # noqa: E402
+
+from gspo_jax import hf, snapshots  # noqa: E402
+from gspo_jax import model as model_lib  # noqa: E402
+from gspo_jax.tasks.tokenizer import TOKENIZER_DIR, load_tokenizer  # noqa: E402
+from gspo_jax.validation import ConfigError  # noqa: E402
 
 STATE_DIR = "state"
 MODEL_CONFIG = "model_config.json"
@@ -67,22 +83,132 @@ def jax_to_hf(src: str, dst: str, *, model_type: str | None = None, max_shard_by
     return cfg
 
 
+def _default_model_type(run: snapshots.Run) -> str:
+    """The model_type of the HF checkpoint the run started from, else qwen3_moe (mixtral without q/k norm)."""
+    source = Path(run.config.get("hf_checkpoint") or "", "config.json")
+    if run.config.get("hf_checkpoint") and source.is_file():
+        model_type = json.loads(source.read_text()).get("model_type")
+        if model_type in hf.MODEL_TYPES:
+            return model_type
+    return "qwen3_moe" if run.model.qk_norm else "mixtral"
+
+
+def _host_sharding() -> jax.sharding.Sharding:
+    """The host's CPU device where JAX has one, so an export needs no accelerator memory."""
+    try:
+        return jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    except RuntimeError:
+        return jax.sharding.SingleDeviceSharding(jax.devices()[0])
+
+
+def _check_out(dst: Path, workdir: Path, overwrite: bool) -> None:
+    """Refuses an --out that is a file, inside the run's workdir, or non-empty without `overwrite`."""
+    if dst.exists() and not dst.is_dir():
+        raise ConfigError(f"--out {str(dst)!r} is a file; it must be a directory (new or empty)")
+    if dst.resolve().is_relative_to(workdir.resolve()):
+        raise ConfigError(f"--out {str(dst)!r} is inside the run's workdir {str(workdir)!r}, which is never written")
+    if dst.is_dir() and any(dst.iterdir()) and not overwrite:
+        raise ConfigError(f"--out {str(dst)!r} is not empty; pass --overwrite to replace the checkpoint in it")
+
+
+def run_to_hf(
+    workdir: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    step: int | None = None,
+    model_type: str | None = None,
+    max_shard_bytes: int = hf.DEFAULT_MAX_SHARD_BYTES,
+    overwrite: bool = False,
+) -> tuple[model_lib.ModelConfig, int]:
+    """A run's checkpoint at `step` (default: its newest finished one) -> HF directory with the run's
+    tokenizer; returns (model config, step). Everything is checked before the first write, and the
+    workdir is only read. Raises ConfigError for what cannot be exported."""
+    workdir, dst = Path(workdir), Path(dst)
+    run = snapshots.open_run(workdir)
+    available = snapshots.steps(workdir)
+    if not available:
+        raise ConfigError(f"{workdir} has no finished checkpoint yet")
+    if step is None:
+        step = available[-1]
+    elif step not in available:
+        raise ConfigError(f"--step {step} is not a finished checkpoint of {workdir}; steps: {available}")
+    model_type = model_type or _default_model_type(run)
+    tokenizer_path = run.config.get("tokenizer_path") or ""
+    tokenizer = load_tokenizer(tokenizer_path or None)
+    extra = {}
+    if run.config.get("hf_checkpoint"):  # kept from the source: token ids, max_position_embeddings
+        source = json.loads(Path(run.config.hf_checkpoint, "config.json").read_text())
+        extra.update({k: source[k] for k in HF_EXTRA_FIELDS if k in source})
+    for name in ("bos", "eos", "pad"):  # the ids the run generated with win
+        token_id = getattr(tokenizer, f"{name}_token_id")
+        if token_id is not None:
+            extra[f"{name}_token_id"] = int(token_id)
+    try:
+        hf.exportable_config(run.model, model_type, extra=extra)
+    except ValueError as e:
+        raise ConfigError(f"{workdir} cannot be exported as {model_type}: {e}") from None
+    _check_out(dst, workdir, overwrite)
+
+    params = snapshots.load_params(run, step, _host_sharding())
+    tokenizer_dir = Path(tokenizer_path) if tokenizer_path else TOKENIZER_DIR
+    is_dir = tokenizer_dir.is_dir()
+    dst.mkdir(parents=True, exist_ok=True)
+    for name in hf.PASSTHROUGH_FILES:  # --overwrite: an earlier export's tokenizer files must not mix with ours
+        (dst / name).unlink(missing_ok=True)
+    hf.save_hf_checkpoint(
+        dst,
+        run.model,
+        params,
+        model_type,
+        max_shard_bytes=max_shard_bytes,
+        tokenizer_dir=tokenizer_dir if is_dir else None,
+        extra_config=extra,
+    )
+    if not is_dir or not (dst / "tokenizer_config.json").exists():  # a bare tokenizer.json: transformers' files
+        tokenizer.save_pretrained(dst)
+    return run.model, step
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--in", dest="src", required=True, help="source directory")
+    parser.add_argument("--in", dest="src", required=True, help="source directory (run2hf: the run's workdir)")
     parser.add_argument("--out", dest="dst", required=True, help="destination directory")
-    parser.add_argument("--direction", required=True, choices=("hf2jax", "jax2hf"))
+    parser.add_argument("--direction", required=True, choices=("hf2jax", "jax2hf", "run2hf"))
     parser.add_argument("--dtype", choices=tuple(model_lib.DTYPES), help="hf2jax: cast parameters (default: keep)")
-    parser.add_argument("--model-type", choices=hf.MODEL_TYPES, help="jax2hf: default: the source's")
-    parser.add_argument("--max-shard-bytes", type=int, default=hf.DEFAULT_MAX_SHARD_BYTES, help="jax2hf")
-    parser.add_argument("--overwrite", action="store_true", help="hf2jax: replace an existing state/")
+    parser.add_argument(
+        "--model-type",
+        choices=hf.MODEL_TYPES,
+        help="jax2hf: default: the source's; "
+        "run2hf: default: the run's config.hf_checkpoint's, else qwen3_moe (mixtral if no q/k norm)",
+    )
+    parser.add_argument("--max-shard-bytes", type=int, default=hf.DEFAULT_MAX_SHARD_BYTES, help="jax2hf, run2hf")
+    parser.add_argument("--step", type=int, help="run2hf: the checkpoint step (default: the newest finished one)")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="hf2jax: replace an existing state/; run2hf: write into a full --out"
+    )
     args = parser.parse_args(argv)
+    if args.step is not None and args.direction != "run2hf":
+        parser.error("--step is for --direction run2hf")
+    where = ""
     if args.direction == "hf2jax":
         cfg = hf_to_jax(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite)
-    else:
+    elif args.direction == "jax2hf":
         cfg = jax_to_hf(args.src, args.dst, model_type=args.model_type, max_shard_bytes=args.max_shard_bytes)
+    else:
+        try:
+            cfg, step = run_to_hf(
+                args.src,
+                args.dst,
+                step=args.step,
+                model_type=args.model_type,
+                max_shard_bytes=args.max_shard_bytes,
+                overwrite=args.overwrite,
+            )
+        except ConfigError as e:
+            parser.exit(2, f"{parser.prog}: error: {e}\n")
+        where = f" step {step}"
     total, active = model_lib.count_params(cfg)
-    print(f"{args.direction}: {args.src} -> {args.dst} ({total:,} parameters, {active:,} active per token)")
+    print(f"{args.direction}: {args.src}{where} -> {args.dst} ({total:,} parameters, {active:,} active per token)")
 
 
 if __name__ == "__main__":
