@@ -349,24 +349,36 @@ def iteration(size: str, repeats: int) -> dict:
 
 
 def diagnostics_cost(size: str, repeats: int) -> dict:
-    """What the research instruments cost on the default config: drift and routing diagnostics on,
-    drift alone, and both off, each iteration split as in `iteration` (iterations 2..N-1: compiled,
-    not the last, which evaluates); `share` is the part of an instrumented iteration they take."""
-    del repeats
+    """What the research instruments cost on the default config, measured where each one runs: the
+    drift pass (its own timer, inside a run with everything on) and the routing split inside the
+    train step (the step with and without it, best of many, back to back in this process), against
+    the instrumented iteration. Whole runs with everything on and off are kept for context only: on
+    a shared 2-core machine their difference swings by ±10% of an iteration from run to run."""
+    c = base_config("gspo", "tiny" if size == "tiny" else "default")
+    c.train.update(num_iterations=6 if size == "tiny" else 14, eval_every=1000, checkpoint_every=1000)
+    c.warm_start.steps = 0
     out = {}
-    for name, drift, diag in (("on", True, True), ("drift_only", True, False), ("off", False, False)):
-        c = base_config("gspo", "tiny" if size == "tiny" else "default")
-        c.train.update(num_iterations=6 if size == "tiny" else 14, eval_every=1000, checkpoint_every=1000)
-        c.train.update(drift_metrics=drift, routing_diagnostics=diag)
-        c.warm_start.steps = 0
-        rows, _ = _run_iterations(c)
-        last = c.train.num_iterations - 1
+    for name, on in (("on", True), ("off", False)):
+        run = c.copy_and_resolve_references()
+        run.train.update(drift_metrics=on, routing_diagnostics=on)
+        rows, _ = _run_iterations(run)
+        last = run.train.num_iterations - 1
         wall = [b["time"] - a["time"] for a, b in zip(rows[1:], rows[2:]) if 2 <= b["step"] <= last]
         warm = [r for r in rows if 2 <= r["step"] <= last]
-        split = {k: float(np.median([r[k] for r in warm])) for k in SPLIT}
-        out[name] = dict(seconds=float(np.median(wall)), split=split)
-    out["share"] = 1.0 - out["off"]["seconds"] / out["on"]["seconds"]
+        out[name] = dict(
+            seconds=float(np.median(wall)), split={k: float(np.median([r[k] for r in warm])) for k in SPLIT}
+        )
+    steps = {}
+    for name, on in (("step_with_split", True), ("step_without_split", False)):
+        run = c.copy_and_resolve_references()
+        run.train.routing_diagnostics = on
+        steps[name] = train_step_time(run, max(repeats, 1) * 4)[0]
+    updates = c.train.epochs * c.train.minibatches
+    split_cost = max(0.0, steps["step_with_split"] - steps["step_without_split"]) * updates
+    out.update(steps, updates_per_iteration=updates)
     out["drift_share"] = out["on"]["split"]["drift_seconds"] / out["on"]["seconds"]
+    out["split_share"] = split_cost / out["on"]["seconds"]
+    out["share"] = out["drift_share"] + out["split_share"]
     return out
 
 
@@ -433,14 +445,12 @@ def main():
     if "diagnostics" in sections:
         results["diagnostics"] = d = diagnostics_cost(args.size, repeats)
         print(
-            f"drift + routing diagnostics on the {'tiny' if args.size == 'tiny' else 'default'} config: "
-            f"{d['on']['seconds']:.3f} s/iteration on, {d['drift_only']['seconds']:.3f} drift only, "
-            f"{d['off']['seconds']:.3f} off: {d['share']:.1%} of an iteration (drift pass alone {d['drift_share']:.1%})"
+            f"drift + routing diagnostics, {'tiny' if args.size == 'tiny' else 'default'} config: "
+            f"{d['share']:.1%} of an iteration (drift pass {d['drift_share']:.1%}, "
+            f"the step's routing split {d['split_share']:.1%}: "
+            f"{d['step_with_split'] * 1e3:.1f} vs {d['step_without_split'] * 1e3:.1f} ms per update); whole runs "
+            f"{d['on']['seconds']:.3f} s/iteration on, {d['off']['seconds']:.3f} off"
         )
-        for name in ("on", "drift_only", "off"):
-            print(
-                f"  {name}: " + ", ".join(f"{k.removesuffix('_seconds')} {v:.3f}" for k, v in d[name]["split"].items())
-            )
     Path(args.out).write_text(json.dumps(results, indent=2, default=float))
     print(f"wrote {args.out}")
 

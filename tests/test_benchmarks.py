@@ -58,6 +58,8 @@ def test_runner_produces_every_figure(tmp_path):
         }
         assert it["compiles_after_warmup"] == 0  # fixed shapes: nothing compiles after the first iteration
     d = res["diagnostics"]
-    assert all(positive(d[k]["seconds"]) for k in ("on", "drift_only", "off"))
+    assert all(positive(d[k]["seconds"]) for k in ("on", "off"))
     assert positive(d["on"]["split"]["drift_seconds"]) and set(d["on"]["split"]) == set(SPLIT)
-    assert math.isfinite(d["share"]) and 0 < d["drift_share"] < 1
+    assert positive(d["step_with_split"]) and positive(d["step_without_split"])
+    assert 0 < d["drift_share"] < 1 and 0 <= d["split_share"] < 1
+    assert d["share"] == d["drift_share"] + d["split_share"]
