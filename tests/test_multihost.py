@@ -101,9 +101,12 @@ def run_to_end(workdir: Path, processes: int, devices: int, cache: Path) -> list
 
 
 def rows(workdir: Path) -> list[dict]:
+    """metrics.jsonl line by line (one per step), NaN written as "nan" (e.g. a split with no token) read back."""
     lines = (workdir / "metrics.jsonl").read_text().splitlines()
+    number = lambda v: float(v) if v in ("nan", "inf", "-inf") else v
     return [
-        {k: v for k, v in json.loads(x).items() if k not in UNCOMPARED and not k.endswith("_seconds")} for x in lines
+        {k: number(v) for k, v in json.loads(x).items() if k not in UNCOMPARED and not k.endswith("_seconds")}
+        for x in lines
     ]
 
 
