@@ -18,6 +18,9 @@ Sections:
              persistent compilation cache filled by a previous run
   diagnostics  the default config's iteration with drift and routing diagnostics on, drift only, and
              both off: the share of an iteration the research instruments cost
+  critic     PPO's extra cost on the default config: the train step with and without the critic's
+             update, the critic's values pass against the scoring forward, parameter, optimizer and
+             compiled-step memory, and whole iterations of PPO against GRPO and GSPO
 
 Useful FLOPs are analytic (`gspo_jax/flops.py`), never XLA's cost analysis (it counts a loop body
 once): a train step is 6 × (active matmul parameters) × tokens plus attention, 12 × layers × B × T² ×
@@ -28,6 +31,7 @@ out: small at these lengths).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -51,7 +55,7 @@ from gspo_jax.flops import matmul_params, train_flops
 from gspo_jax.sampler import Sampler, left_pad, sample_logits
 from gspo_jax.sharding import make_mesh, mesh_from_config, under_mesh
 
-SECTIONS = ("peak", "train", "loss", "moe", "sampler", "iteration", "diagnostics")
+SECTIONS = ("peak", "train", "loss", "moe", "sampler", "iteration", "diagnostics", "critic")
 RESULTS = Path(__file__).with_name("results.json")
 
 
@@ -382,6 +386,73 @@ def diagnostics_cost(size: str, repeats: int) -> dict:
     return out
 
 
+def critic_cost(size: str, repeats: int) -> dict:
+    """What PPO's critic adds on the default config, measured where it runs: its update inside the
+    train step (the same step with and without it, best of many, back to back), its values pass (the
+    GAE estimate) against the policy's scoring forward of the same batch, its memory (parameters,
+    AdamW moments, the compiled step's temporaries), and whole iterations against the critic-free runs."""
+    c = bench_config("tiny" if size == "tiny" else "default", "ppo")
+    built, _, params, programs = _pieces(c)
+    B = built.rollout.num_groups * built.rollout.group_size
+    mb = B // c.train.minibatches
+    full = random_batch(programs, params, B, c.prompt_len, c.max_new_tokens)
+    zeros = jnp.zeros(full.tokens.shape, jnp.float32)
+    full = jax.device_put(full.replace(advantages=zeros, values=zeros, returns=zeros), programs.batch_shardings)
+    state = train.init_train_state(programs, params, 0)
+    rewards = jnp.asarray(np.random.default_rng(0).random(B) < 0.3, jnp.float32)
+    out = {}
+    out["estimate_seconds"] = best_time(lambda: programs.estimate(state.critic.params, full, rewards), repeats * 4)
+    out["score_seconds"] = best_time(lambda: programs.score(state.params, full.tokens, full.positions), repeats * 4)
+    full, _ = programs.estimate(state.critic.params, full, rewards)
+    batch = programs.take(full, np.arange(mb))
+    static = programs.train_step.args[0]
+    step = jax.jit(train.train_step, static_argnums=0, donate_argnums=1)
+    variants = dict(
+        with_critic=(static, state, batch),
+        without_critic=(
+            dataclasses.replace(static, critic=None),
+            state.replace(critic=None),
+            batch.replace(values=None, returns=None),
+        ),
+    )
+    for name, (st, s0, b) in variants.items():
+        held = [jax.tree.map(jnp.copy, s0)]
+
+        def run(st=st, b=b, held=held):
+            held[0], m, _ = step(st, held[0], b)
+            return m
+
+        out[f"step_{name}_seconds"] = best_time(run, repeats * 4)
+        mem = step.lower(st, jax.tree.map(jnp.copy, s0), b).compile().memory_analysis()
+        out[f"step_{name}_temp_bytes"] = int(getattr(mem, "temp_size_in_bytes", 0)) if mem is not None else 0
+    nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
+    out.update(
+        policy_param_bytes=nbytes(state.params),
+        policy_opt_bytes=nbytes(state.opt_state),
+        critic_param_bytes=nbytes(state.critic.params),
+        critic_opt_bytes=nbytes(state.critic.opt_state),
+        updates_per_iteration=c.train.epochs * c.train.minibatches,
+    )
+    runs = {}
+    for algorithm in ("ppo", "grpo", "gspo"):
+        run = base_config(algorithm, "tiny" if size == "tiny" else "default")
+        run.train.update(num_iterations=4 if size == "tiny" else 12, eval_every=1000, checkpoint_every=1000)
+        run.warm_start.steps = 0
+        rows, _ = _run_iterations(run)
+        last = run.train.num_iterations - 1
+        wall = [b["time"] - a["time"] for a, b in zip(rows[1:], rows[2:]) if 2 <= b["step"] <= last]
+        warm = [r for r in rows if 2 <= r["step"] <= last]
+        runs[algorithm] = dict(
+            seconds=float(np.median(wall)), split={k: float(np.median([r[k] for r in warm])) for k in SPLIT}
+        )
+    out["iterations"] = runs
+    per_iteration = out["updates_per_iteration"] * (
+        out["step_with_critic_seconds"] - out["step_without_critic_seconds"]
+    )
+    out["critic_share"] = (max(per_iteration, 0.0) + out["estimate_seconds"]) / runs["ppo"]["seconds"]
+    return out
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", action="append", choices=SECTIONS, help="run only these sections")
@@ -450,6 +521,20 @@ def main():
             f"the step's routing split {d['split_share']:.1%}: "
             f"{d['step_with_split'] * 1e3:.1f} vs {d['step_without_split'] * 1e3:.1f} ms per update); whole runs "
             f"{d['on']['seconds']:.3f} s/iteration on, {d['off']['seconds']:.3f} off"
+        )
+    if "critic" in sections:
+        results["critic"] = r = critic_cost(args.size, repeats)
+        its = r["iterations"]
+        print(
+            f"critic, {'tiny' if args.size == 'tiny' else 'default'} config: {r['critic_share']:.1%} of a PPO "
+            "iteration "
+            f"(train step {r['step_with_critic_seconds'] * 1e3:.1f} vs {r['step_without_critic_seconds'] * 1e3:.1f} ms "
+            f"without its update; values pass {r['estimate_seconds'] * 1e3:.1f} ms, the scoring forward "
+            f"{r['score_seconds'] * 1e3:.1f} ms); memory: critic params {r['critic_param_bytes'] / 2**20:.2f} MiB + "
+            f"moments {r['critic_opt_bytes'] / 2**20:.2f} MiB (policy {r['policy_param_bytes'] / 2**20:.2f} + "
+            f"{r['policy_opt_bytes'] / 2**20:.2f}), step temporaries {r['step_with_critic_temp_bytes'] / 2**20:.1f} vs "
+            f"{r['step_without_critic_temp_bytes'] / 2**20:.1f} MiB; iteration: "
+            + ", ".join(f"{k} {v['seconds']:.3f} s" for k, v in its.items())
         )
     Path(args.out).write_text(json.dumps(results, indent=2, default=float))
     print(f"wrote {args.out}")

@@ -18,7 +18,7 @@ from gspo_jax.validation import check_choice
 
 @dataclasses.dataclass(frozen=True)
 class Algorithm:
-    """A critic-free RL algorithm as this project implements it."""
+    """An RL algorithm as this project implements it: critic-free, or PPO with its critic."""
 
     name: str
     title: str  # what it is, in one line
@@ -26,6 +26,7 @@ class Algorithm:
     loss: LossConfig
     advantage_scale: str = "group"  # advantages.SCALES: divide by the group's std, the batch's, or not at all
     rollout: Mapping[str, object] = dataclasses.field(default_factory=dict)  # RolloutConfig fields it sets
+    critic: bool = False  # a learned value model and GAE advantages (`gspo_jax/critic.py`) instead of groups
 
     def __post_init__(self):
         object.__setattr__(self, "rollout", MappingProxyType(dict(self.rollout)))
@@ -113,6 +114,15 @@ ALGORITHMS: dict[str, Algorithm] = {
                 vespo_k_neg=3.0,
                 vespo_lambda_neg=2.0,
             ),
+        ),
+        Algorithm(
+            name="ppo",
+            title="PPO: a learned critic, GAE token advantages (whitened), token ratios under the symmetric clip",
+            paper="PPO (Schulman et al., 2017) as RLHF runs it (Ouyang et al., 2022; verl, TRL): eps 0.2, "
+            "value clip 0.2, gamma 1, lambda 0.95",
+            loss=LossConfig(eps_low=0.2, eps_high=0.2, aggregation="token_mean"),
+            advantage_scale="none",  # the group advantages are replaced by GAE's
+            critic=True,
         ),
         Algorithm(
             name="gspo_sum",

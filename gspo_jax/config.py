@@ -19,6 +19,7 @@ import ml_collections
 
 from gspo_jax import algorithms, hf, losses
 from gspo_jax import model as model_lib
+from gspo_jax.critic import CriticConfig
 from gspo_jax.optimizer import OptimizerConfig
 from gspo_jax.rollout import RolloutConfig
 from gspo_jax.tasks import load_tokenizer, make_task
@@ -131,6 +132,18 @@ def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigD
     # What makes the algorithm what it is, from its one home.
     c.loss = _dataclass_dict(alg.loss_config(c.max_new_tokens))
     c.rollout.update(advantage_scale=alg.advantage_scale, **alg.rollout)
+    if alg.critic:
+        critic = {k: v for k, v in _dataclass_dict(CriticConfig()).items() if k != "model"}
+        # model: the trunk's architecture with trunk="separate" (e.g. --config.critic.model.num_layers=2);
+        # with trunk="policy" the critic copies the policy's trunk and this section is not read.
+        c.critic = ml_collections.ConfigDict(
+            dict(
+                **critic,
+                model=c.model.to_dict(),
+                **_optimizer_keys(learning_rate=3e-4, warmup_steps=5, max_grad_norm=1.0, b2=0.99),
+            )
+        )
+        c.critic.model.dense_layers = tuple(c.model.dense_layers)
     return c
 
 
@@ -142,6 +155,7 @@ class Built:
     loss: losses.LossConfig
     rollout: RolloutConfig
     task: Any
+    critic: CriticConfig | None = None  # PPO's value model, its architecture resolved
 
 
 def _typed(name: str, cls, values: dict):
@@ -268,7 +282,42 @@ def build(c: ml_collections.ConfigDict, device_count: int | None = None) -> Buil
             loss_cfg.sum_norm_len,
             f"Dr.GRPO normalises by the max completion length, max_new_tokens={c.max_new_tokens}",
         )
-    return Built(model=model_cfg, loss=loss_cfg, rollout=rollout_cfg, task=task)
+    return Built(model=model_cfg, loss=loss_cfg, rollout=rollout_cfg, task=task, critic=_critic(c, model_cfg))
+
+
+def _critic(c: ml_collections.ConfigDict, policy: model_lib.ModelConfig) -> CriticConfig | None:
+    """`config.critic` typed, its trunk's architecture resolved (the policy's, or `critic.model`)."""
+    has = "critic" in c
+    needs = algorithms.get(c.algorithm).critic
+    check(
+        has == needs,
+        "config",
+        "critic",
+        "present" if has else "absent",
+        f"a section exactly when the algorithm has a critic ({c.algorithm}: {needs})",
+    )
+    if not has:
+        return None
+    section = dict(c.critic)
+    opt = OptimizerConfig.from_config(section, "config.critic")
+    fields = {f.name for f in dataclasses.fields(CriticConfig)} | {f.name for f in dataclasses.fields(opt) if f.compare}
+    unknown = sorted(set(section) - fields)
+    if unknown:
+        raise ConfigError(f"config.critic: unknown field(s) {unknown}; allowed: {sorted(fields)}")
+    model = policy
+    if section.get("trunk") == "separate":
+        m = dict(section["model"])
+        m["dense_layers"] = tuple(m.get("dense_layers", ()))
+        model = _typed("critic.model", model_lib.ModelConfig, m)
+        check(
+            model.vocab_size == policy.vocab_size,
+            "config",
+            "critic.model.vocab_size",
+            model.vocab_size,
+            f"the policy's, {policy.vocab_size} (the critic reads the same tokens)",
+        )
+    keys = {f.name for f in dataclasses.fields(CriticConfig)} - {"model"}
+    return _typed("critic", CriticConfig, {**{k: section[k] for k in keys if k in section}, "model": model})
 
 
 def _check_mesh(

@@ -27,6 +27,7 @@ import optax
 from flax import nnx, struct
 
 from gspo_jax import config as config_lib
+from gspo_jax import critic as critic_lib
 from gspo_jax import hf, losses, mismatch, multihost, plots, routing
 from gspo_jax import metrics as metrics_lib
 from gspo_jax import model as model_lib
@@ -55,6 +56,7 @@ class TrainState:
     params: nnx.State
     opt_state: optax.OptState
     rng: Array  # uint32 key data: portable across PRNG implementations and orbax versions
+    critic: critic_lib.CriticState | None = None  # PPO's value model and its optimizer (`config.critic`)
 
 
 @struct.dataclass
@@ -69,13 +71,16 @@ class TrainBatch:
     old_logp: Array  # float32 [B, T]: π_old
     sampler_logp: Array  # float32 [B, T]: π_sampler, what the sampler reported (corrections weigh by old / it)
     ref_logp: Array  # float32 [B, T]: π_ref (zeros without a KL term)
-    advantages: Array  # float32 [B]
+    advantages: Array  # float32 [B], or [B, T] with a critic (GAE)
     topk: Array  # int32 [B, L, T, K]: π_old's routing, replayed under R2 / R3
+    values: Array | None = None  # float32 [B, T]: the critic's V(s_t) at the rollout (critic only)
+    returns: Array | None = None  # float32 [B, T]: GAE's returns, the value targets (critic only)
 
 
 def abstract_batch(built: config_lib.Built, B: int, T: int) -> TrainBatch:
     """A TrainBatch of B sequences of T tokens as shapes and dtypes (ahead-of-time lowering)."""
     S, m = jax.ShapeDtypeStruct, built.model
+    per_token = (lambda: S((B, T), jnp.float32)) if built.critic else (lambda: None)
     return TrainBatch(
         tokens=S((B, T), jnp.int32),
         positions=S((B, T), jnp.int32),
@@ -84,8 +89,10 @@ def abstract_batch(built: config_lib.Built, B: int, T: int) -> TrainBatch:
         old_logp=S((B, T), jnp.float32),
         sampler_logp=S((B, T), jnp.float32),
         ref_logp=S((B, T), jnp.float32),
-        advantages=S((B,), jnp.float32),
+        advantages=S((B, T) if built.critic else (B,), jnp.float32),
         topk=S((B, m.num_moe_layers, T, max(m.top_k, 1)), jnp.int32),
+        values=per_token(),
+        returns=per_token(),
     )
 
 
@@ -105,17 +112,23 @@ class StepConfig:
     # forward gives π_old's log-probs and routing (old_logp = stop_gradient(logp), exactly ratio 1),
     # and the step returns them, so the batch needs no separate scoring forward.
     on_policy: bool = False
+    critic: critic_lib.CriticStep | None = None  # PPO: the critic's update, on the same micro-batches
 
 
-def shares_old_forward(train_cfg, loss_cfg: losses.LossConfig | None = None) -> bool:
+def shares_old_forward(
+    train_cfg, loss_cfg: losses.LossConfig | None = None, critic_cfg: critic_lib.CriticConfig | None = None
+) -> bool:
     """Whether π_old's log-probs can come from the update's own forward instead of a scoring pass:
     one update per batch (epochs = minibatches = 1), recomputed by the trainer, with the live routing
     (R2 replays π_old's own routing, which the forward at π_old chooses anyway; R3 replays the
     sampler's, which differs), and no masked-IS correction (its mask changes the loss denominator,
-    which must be known before the first micro-batch)."""
+    which must be known before the first micro-batch), and no KL penalty in a critic's rewards (GAE
+    needs π_old's log-probs before the update)."""
     t = train_cfg
     mis = loss_cfg is not None and loss_cfg.is_correction == "mis"
-    return t.epochs * t.minibatches == 1 and t.old_logp_source == "trainer" and t.routing_replay != "R3" and not mis
+    kl_reward = critic_cfg is not None and critic_cfg.kl_reward_coef > 0
+    single = t.epochs * t.minibatches == 1
+    return single and t.old_logp_source == "trainer" and t.routing_replay != "R3" and not mis and not kl_reward
 
 
 class Scored(NamedTuple):
@@ -199,6 +212,10 @@ def train_step(
         opt_state=keep(opt_state, state.opt_state),
     )
     metrics.update(grad_norm=Mean(grad_norm, 1), skipped=Count((~ok).astype(jnp.float32)))
+    if static.critic is not None:  # its own loss, gradient, optimizer and skip; the same micro-batches
+        critic_state, critic_metrics = critic_lib.update(static.critic, state.critic, micro)
+        state = state.replace(critic=critic_state)
+        metrics.update(critic_metrics)
     return state, metrics_lib.per_update(metrics), scored
 
 
@@ -213,6 +230,8 @@ class Programs(NamedTuple):
     take_scored: Any  # (Scored, rows) -> its rows, on the mesh
     score: Any  # (params, tokens, positions) -> (logp [B, T], topk [B, L, T, K])
     drift: Any  # (params, batch) -> drift metrics (routing.measure_drift)
+    estimate: Any  # (critic params, batch, rewards [B]) -> (batch with GAE advantages, metrics); None: no critic
+    init_critic: Any  # (policy params) -> the critic's initial state; None: no critic
     on_policy: bool  # π_old's log-probs come from the update's forward (`shares_old_forward`)
     optimizer: optax.GradientTransformation
     state_shardings: TrainState
@@ -241,7 +260,11 @@ def compile_programs(config, built: config_lib.Built, graphdef, params, mesh) ->
     tx = optimizer_lib.make_optimizer(opt_cfg, total_steps)
     opt_sh = optimizer_lib.state_shardings(tx, params, param_sh, mesh)
     state_sh = TrainState(step=rep, params=param_sh, opt_state=opt_sh, rng=rep)
+    # Module-level functions with their static arguments marked, not closures: equal configs (a run
+    # resumed in the same process) reuse the compilation.
+    on_mesh = functools.partial(sharding_lib.under_mesh, mesh=mesh)
     b2 = bs(2)
+    critic_cfg = built.critic
     batch_sh = TrainBatch(
         tokens=b2,
         positions=b2,
@@ -250,9 +273,26 @@ def compile_programs(config, built: config_lib.Built, graphdef, params, mesh) ->
         old_logp=b2,
         sampler_logp=b2,
         ref_logp=b2,
-        advantages=bs(1),
+        advantages=b2 if critic_cfg else bs(1),
         topk=bs(4),
+        values=b2 if critic_cfg else None,
+        returns=b2 if critic_cfg else None,
     )
+    critic_static = estimate = init_critic = None
+    if critic_cfg:
+        critic_graphdef, abstract_critic = critic_lib.abstract(critic_cfg.model)
+        critic_opt = optimizer_lib.OptimizerConfig.from_config(config.critic, "config.critic")
+        critic_static = critic_lib.CriticStep(critic_graphdef, critic_opt, total_steps, critic_cfg.value_clip)
+        critic_sh = critic_lib.state_shardings(critic_static, abstract_critic, mesh)
+        state_sh = state_sh.replace(critic=critic_sh)
+        estimate = jax.jit(
+            on_mesh(with_advantages),
+            static_argnums=(0, 1),
+            in_shardings=(critic_sh.params, batch_sh, bs(1)),
+            out_shardings=(batch_sh, rep),
+        )
+        estimate = functools.partial(estimate, critic_cfg, critic_graphdef)
+        init_critic = functools.partial(critic_lib.init_state, critic_cfg, critic_static, critic_sh, config.seed + 2)
     temperature = float(built.rollout.temperature) or 1.0  # greedy rollouts are scored at temperature 1
     static = StepConfig(
         graphdef=graphdef,
@@ -263,11 +303,9 @@ def compile_programs(config, built: config_lib.Built, graphdef, params, mesh) ->
         replay=t.routing_replay != "none",
         microbatches=t.microbatches,
         routing_diagnostics=bool(t.routing_diagnostics),
-        on_policy=shares_old_forward(t, built.loss),
+        on_policy=shares_old_forward(t, built.loss, critic_cfg),
+        critic=critic_static,
     )
-    # Module-level functions with their static arguments marked, not closures: equal configs (a run
-    # resumed in the same process) reuse the compilation.
-    on_mesh = functools.partial(sharding_lib.under_mesh, mesh=mesh)
     step = jax.jit(
         on_mesh(train_step),
         static_argnums=0,
@@ -287,11 +325,22 @@ def compile_programs(config, built: config_lib.Built, graphdef, params, mesh) ->
         take_scored=jax.jit(take_rows, in_shardings=(Scored(b2, bs(4)), rep), out_shardings=Scored(b2, bs(4))),
         score=functools.partial(score, graphdef, temperature),
         drift=functools.partial(drift, graphdef, temperature, bool(t.routing_diagnostics)),
+        estimate=estimate,
+        init_critic=init_critic,
         on_policy=static.on_policy,
         optimizer=tx,
         state_shardings=state_sh,
         batch_shardings=batch_sh,
     )
+
+
+def with_advantages(
+    cfg: critic_lib.CriticConfig, graphdef, critic_params, batch: TrainBatch, rewards_B
+) -> tuple[TrainBatch, dict[str, Array]]:
+    """The batch with PPO's GAE advantages, the critic's values and the returns (`critic.estimate`)."""
+    args = (batch.tokens, batch.positions, batch.loss_mask, rewards_B, batch.old_logp, batch.ref_logp)
+    adv_BT, v_BT, ret_BT, metrics = critic_lib.estimate(cfg, graphdef, critic_params, *args)
+    return batch.replace(advantages=adv_BT, values=v_BT, returns=ret_BT), metrics
 
 
 def take_rows(tree, rows):
@@ -304,10 +353,12 @@ def init_train_state(programs: Programs, params, seed: int) -> TrainState:
     """A fresh train state on the mesh. It owns a copy of `params`: `train_step` donates its state,
     and the caller's params may still be needed (the reference policy)."""
     sh = programs.state_shardings
+    # The critic's trunk copies the (warm-started) policy's, before the policy trains.
+    critic = None if programs.init_critic is None else programs.init_critic(params)
     params = jax.tree.map(jnp.copy, params)
     opt_state = optimizer_lib.init_state(programs.optimizer, params, sh.params, sh.opt_state)
     rng = jax.random.key_data(jax.random.key(seed))
-    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, rng=rng)
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, rng=rng, critic=critic)
     return jax.device_put(state, sh)
 
 
@@ -324,7 +375,10 @@ def rl_iteration(
     batch, metrics = rollout(state.params, prompts, jax.random.fold_in(key, 0))
     t_rollout = time.perf_counter() - t0
     full = prepare_batch(programs, state.params, batch, t.old_logp_source, t.routing_replay, ref_params, metrics)
-    t_logprobs = time.perf_counter() - t0 - t_rollout  # synchronised: old_logp_max_diff is on the host
+    if programs.estimate is not None:  # PPO: the critic's values and GAE replace the group advantages
+        full, estimated = programs.estimate(state.critic.params, full, jnp.asarray(batch.rewards))
+        metrics.update({k: float(v) for k, v in jax.device_get(estimated).items()})
+    t_logprobs = time.perf_counter() - t0 - t_rollout  # synchronised: metrics are on the host
 
     B, num_mb = batch.tokens.shape[0], t.minibatches
     mb_size = B // num_mb
@@ -396,6 +450,8 @@ def prepare_batch(programs: Programs, params, batch, old_logp_source, replay, re
         old_logp = logp_trainer if old_logp_source == "trainer" else sampler_logp
         topk = batch.topk if replay == "R3" else topk_trainer  # R2 and none: the trainer's
     ref_logp = jnp.zeros_like(old_logp) if ref_params is None else programs.score(ref_params, tokens, positions)[0]
+    per_token = programs.estimate is not None  # placeholders for the critic's estimate
+    zeros = lambda: jnp.zeros(tokens.shape, jnp.float32) if per_token else None
     full = TrainBatch(
         tokens=tokens,
         positions=positions,
@@ -404,8 +460,10 @@ def prepare_batch(programs: Programs, params, batch, old_logp_source, replay, re
         old_logp=old_logp,
         sampler_logp=sampler_logp,
         ref_logp=ref_logp,
-        advantages=batch.advantages,  # host, the same on every process
+        advantages=zeros() if per_token else batch.advantages,  # host, the same on every process
         topk=topk,
+        values=zeros(),
+        returns=zeros(),
     )
     return jax.device_put(full, programs.batch_shardings)
 
@@ -508,7 +566,8 @@ def _run(config, built: config_lib.Built, workdir: Path, *, progress: bool, log_
     with ckpt, MetricWriter(workdir) as writer, PreemptionGuard(sigint=True) as guard:
         restored = resume(ckpt, abstract_train_state(programs, params), prompts)  # before any work
         params, warm_start_info = warm_start(config, graphdef, params, mesh=mesh, rollout=rollout, workdir=workdir)
-        ref_params = params if built.loss.kl_coef > 0 else None
+        kl_reward = built.critic is not None and built.critic.kl_reward_coef > 0
+        ref_params = params if built.loss.kl_coef > 0 or kl_reward else None
         start, state = restored or (0, init_train_state(programs, params, config.seed))
         if is_main:  # rows past the restored step were logged by work the resumed run redoes
             workdir_lib.drop_rows_after(workdir, start if restored else -1)

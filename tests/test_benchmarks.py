@@ -63,3 +63,12 @@ def test_runner_produces_every_figure(tmp_path):
     assert positive(d["step_with_split"]) and positive(d["step_without_split"])
     assert 0 < d["drift_share"] < 1 and 0 <= d["split_share"] < 1
     assert d["share"] == d["drift_share"] + d["split_share"]
+    k = res["critic"]  # PPO's extra cost: its update in the step, its values pass, its memory, whole iterations
+    for key in ("step_with_critic_seconds", "step_without_critic_seconds", "estimate_seconds", "score_seconds"):
+        assert positive(k[key]), key
+    assert positive(k["critic_param_bytes"]) and k["critic_opt_bytes"] >= 2 * k["critic_param_bytes"]  # AdamW
+    assert k["step_with_critic_temp_bytes"] >= k["step_without_critic_temp_bytes"] >= 0
+    assert set(k["iterations"]) == {"ppo", "grpo", "gspo"} and all(
+        positive(v["seconds"]) for v in k["iterations"].values()
+    )
+    assert 0 < k["critic_share"] < 1
