@@ -376,7 +376,11 @@ def rl_iteration(
     t_rollout = time.perf_counter() - t0
     full = prepare_batch(programs, state.params, batch, t.old_logp_source, t.routing_replay, ref_params, metrics)
     if programs.estimate is not None:  # PPO: the critic's values and GAE replace the group advantages
-        full, estimated = programs.estimate(state.critic.params, full, jnp.asarray(batch.rewards))
+        b2 = programs.batch_shardings.tokens
+        rewards = jax.device_put(
+            batch.rewards, jax.sharding.NamedSharding(b2.mesh, jax.sharding.PartitionSpec(b2.spec[0]))
+        )
+        full, estimated = programs.estimate(state.critic.params, full, rewards)  # host rewards, the same everywhere
         metrics.update({k: float(v) for k, v in jax.device_get(estimated).items()})
     t_logprobs = time.perf_counter() - t0 - t_rollout  # synchronised: metrics are on the host
 

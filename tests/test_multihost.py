@@ -41,7 +41,7 @@ class Run:
     """`scripts/train.py` on tiny GSPO as `processes` processes of `devices` CPU devices each, each in
     its own session so that it and its children can be killed whatever happens."""
 
-    def __init__(self, workdir: Path, processes: int, devices: int, cache: Path):
+    def __init__(self, workdir: Path, processes: int, devices: int, cache: Path, config: str = "gspo"):
         self.workdir, self.procs, self.logs = workdir, [], []
         env = {
             **os.environ,
@@ -49,7 +49,12 @@ class Run:
             "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}",
             "PYTHONPATH": str(ROOT),  # this checkout's code, whatever is installed
         }
-        cmd = [sys.executable, str(ROOT / "scripts" / "train.py"), "--config", str(ROOT / "configs" / "gspo.py:tiny")]
+        cmd = [
+            sys.executable,
+            str(ROOT / "scripts" / "train.py"),
+            "--config",
+            str(ROOT / "configs" / f"{config}.py:tiny"),
+        ]
         cmd += ["--workdir", str(workdir), f"--compilation_cache={cache}", "--log_every=1", *OVERRIDES]
         port = free_port()
         for i in range(processes):
@@ -90,8 +95,8 @@ class Run:
         return "\n".join(out)
 
 
-def run_to_end(workdir: Path, processes: int, devices: int, cache: Path) -> list[dict]:
-    run = Run(workdir, processes, devices, cache)
+def run_to_end(workdir: Path, processes: int, devices: int, cache: Path, config: str = "gspo") -> list[dict]:
+    run = Run(workdir, processes, devices, cache, config)
     try:
         codes = run.wait()
         assert codes == [0] * processes, f"exit codes {codes}:\n{run.tail()}"
@@ -178,6 +183,15 @@ def test_two_processes_equal_one(runs):
     _, _, one, two = runs
     assert_same_rows(two, one, rtol=1e-4)
     assert one[-1]["drift_jaccard"] < 1.0  # the policy moved: the comparison covers a real update
+
+
+def test_ppo_two_processes_equal_one(tmp_path):
+    """PPO's critic too: its values, GAE (host rewards put on the global mesh) and its update."""
+    cache = tmp_path / "xla_cache"
+    one = run_to_end(tmp_path / "one", 1, 8, cache, "ppo")
+    two = run_to_end(tmp_path / "two", 2, 4, cache, "ppo")
+    assert_same_rows(two, one, rtol=1e-4)
+    assert one[-1]["critic_grad_norm"] > 0 and "explained_variance" in one[-1]  # the critic ran and trained
 
 
 def test_only_process_zero_writes_and_every_process_logs(runs):
