@@ -168,9 +168,10 @@ def compile_report(config, topology: str, programs: tuple[str, ...] = PROGRAMS) 
         )
         step = progs.train_step
         lower = functools.partial(step.func.lower, *step.args)
-        rows.append(
-            _row("train_step", mesh_s, f"{mb} × {T}", lower, (state, batch), hbm, flops.train_flops(cfg, mb, T), *chips)
-        )
+        work = flops.train_flops(cfg, mb, T)
+        if built.critic:  # PPO: the step updates the critic too
+            work += flops.critic_train_flops(built.critic.model, mb, T)
+        rows.append(_row("train_step", mesh_s, f"{mb} × {T}", lower, (state, batch), hbm, work, *chips))
     if "score" in programs:
         b2 = progs.batch_shardings.tokens
         tokens = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=b2)

@@ -6,6 +6,8 @@ parameters) × B·T plus attention, 4 × layers × B × T² × H × W (QKᵀ and
 forward, so a train step is 6 × parameters × tokens plus 12 × layers × B × T² × H × W.
 """
 
+import dataclasses
+
 from gspo_jax import model as model_lib
 
 
@@ -24,6 +26,15 @@ def forward_flops(cfg: model_lib.ModelConfig, B: int, T: int) -> float:
 def train_flops(cfg: model_lib.ModelConfig, B: int, T: int) -> float:
     """Forward and backward over B × T tokens: three forwards."""
     return 3 * forward_flops(cfg, B, T)
+
+
+def critic_train_flops(cfg: model_lib.ModelConfig, B: int, T: int) -> float:
+    """PPO's critic update over B × T tokens (`gspo_jax/critic.py`): its trunk without an LM head and a
+    value head of width 1, forward and backward."""
+    untied = dataclasses.replace(cfg, tie_embeddings=False)
+    trunk = matmul_params(untied) - cfg.vocab_size * cfg.embed_dim + cfg.embed_dim
+    attention = 4 * cfg.num_layers * B * T * T * cfg.num_heads * cfg.head_dim
+    return 3 * (2 * trunk * B * T + attention)
 
 
 def sample_flops(cfg: model_lib.ModelConfig, B: int, P: int, C: int) -> float:

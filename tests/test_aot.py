@@ -83,3 +83,27 @@ def test_script_refuses_in_one_line_and_checks_the_mesh_against_the_slice():
     assert p.returncode == 2 and "there are 4 devices" in p.stderr.strip().splitlines()[-1]
     p, _ = aot_compile(*TINY, "--programs", "decode")
     assert p.returncode == 2 and "programs: ['decode']" in p.stderr.strip().splitlines()[-1]
+
+
+@pytest.mark.slow
+def test_ppo_train_step_compiles_for_a_slice_with_its_critic(tmp_path):
+    """PPO's step carries the critic's update: its state in the arguments, its work in the analytic FLOPs."""
+    p, rows = aot_compile(*TINY, "--programs", "train_step", tmp_path=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    ppo = [*TINY[:1], "configs/ppo.py:tiny", *TINY[2:]]
+    p2, rows2 = aot_compile(*ppo, "--programs", "train_step", tmp_path=tmp_path)
+    assert p2.returncode == 0, p2.stderr[-3000:]
+    c = base_config("ppo", "tiny")
+    c.mesh.update(fsdp=2, expert=2)
+    built = build(c, device_count=4)
+    mb, T = c.rollout.num_groups * c.rollout.group_size // c.train.minibatches, c.prompt_len + c.max_new_tokens
+    assert rows2[0]["flops"] == flops.train_flops(built.model, mb, T) + flops.critic_train_flops(
+        built.critic.model, mb, T
+    )
+    assert rows2[0]["fits"] and rows2[0]["argument_bytes"] > 1.8 * rows[0]["argument_bytes"]  # a second model + moments
+
+
+def test_critic_flops_are_the_trunk_without_the_lm_head():
+    cfg = build(base_config("ppo", "tiny")).model
+    B, T, V, D = 4, 32, cfg.vocab_size, cfg.embed_dim
+    assert flops.critic_train_flops(cfg, B, T) == flops.train_flops(cfg, B, T) - 6 * (V * D - D) * B * T
