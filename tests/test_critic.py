@@ -25,6 +25,12 @@ def ppo_setup(**mesh) -> Setup:
     return Setup(tiny("ppo", **mesh))
 
 
+@pytest.fixture(scope="module")
+def ppo() -> Setup:
+    """One compiled tiny PPO run for the tests that only read it (`state()` is fresh each call)."""
+    return ppo_setup()
+
+
 def with_critic_fields(s: Setup, batch: train.TrainBatch, seed=0) -> train.TrainBatch:
     """The minibatch with per-token advantages, rollout values and returns, as `with_advantages` makes them."""
     rng = np.random.default_rng(seed)
@@ -33,8 +39,8 @@ def with_critic_fields(s: Setup, batch: train.TrainBatch, seed=0) -> train.Train
     return batch.replace(advantages=per_token(1.0), values=per_token(0.1), returns=per_token(0.5))
 
 
-def test_values_are_the_head_on_the_previous_positions_hidden_state():
-    s = ppo_setup()
+def test_values_are_the_head_on_the_previous_positions_hidden_state(ppo):
+    s = ppo
     state = s.state()
     params = state.critic.params
     params["value_head"].set_value(jnp.linspace(-1, 1, s.built.critic.model.embed_dim))
@@ -49,8 +55,8 @@ def test_values_are_the_head_on_the_previous_positions_hidden_state():
     np.testing.assert_allclose(v_BT[:, 1:], expected[:, :-1], rtol=1e-5, atol=1e-6)
 
 
-def test_the_critic_starts_as_a_copy_of_the_policys_trunk_with_a_zero_head():
-    s = ppo_setup()
+def test_the_critic_starts_as_a_copy_of_the_policys_trunk_with_a_zero_head(ppo):
+    s = ppo
     state = s.state()
     policy = dict(nnx.to_flat_state(state.params))
     critic = dict(nnx.to_flat_state(state.critic.params))
@@ -116,11 +122,11 @@ def test_clipped_value_loss_by_hand():
 
 
 @pytest.mark.parametrize("jit", [False, True])
-def test_estimate_with_a_fresh_critic_gives_each_token_its_reward(jit):
+def test_estimate_with_a_fresh_critic_gives_each_token_its_reward(jit, ppo):
     """A zero head values everything 0, so with γ = 1 every δ is the token's reward and a loss token's GAE
     advantage is λ^(loss tokens after it) × its sequence's reward; returns equal advantages; whitening
     then standardises them over the tokens."""
-    s = ppo_setup()
+    s = ppo
     state, batch = s.state(), minibatch(s)
     rewards = jnp.arange(batch.tokens.shape[0], dtype=jnp.float32) % 3
     cfg = s.built.critic
@@ -144,13 +150,13 @@ def test_estimate_with_a_fresh_critic_gives_each_token_its_reward(jit):
     assert float(metrics["advantage_min"]) == 0.0
 
 
-def test_kl_in_the_reward_needs_the_reference_and_a_scoring_pass():
+def test_kl_in_the_reward_needs_the_reference_and_a_scoring_pass(ppo):
     c = tiny("ppo")
     c.train.minibatches = 1
     assert train.shares_old_forward(c.train, build(c).loss, build(c).critic)
     c.critic.kl_reward_coef = 0.05
     assert not train.shares_old_forward(c.train, build(c).loss, build(c).critic)
-    s = ppo_setup()
+    s = ppo
     batch = minibatch(s)
     cfg = dataclasses.replace(s.built.critic, kl_reward_coef=0.5, whiten_advantages=False)
     graphdef = s.programs.train_step.args[0].critic.graphdef
@@ -185,10 +191,10 @@ def test_microbatches_give_the_same_critic_update():
     assert m1["value_loss"] > 0 and m1["critic_grad_norm"] > 0
 
 
-def test_the_critic_leaves_the_policy_update_as_it_was():
+def test_the_critic_leaves_the_policy_update_as_it_was(ppo):
     """The same batch with per-token advantages through GRPO-shaped PPO with and without a critic
     section: the policy's update is identical; only the critic's state and metrics are added."""
-    s = ppo_setup()
+    s = ppo
     batch = with_critic_fields(s, minibatch(s, seed=2))
     with_critic, m1, _ = s.step(batch)
     state = s.state()
