@@ -352,6 +352,16 @@ def iteration(size: str, repeats: int) -> dict:
     return out
 
 
+def _median_iteration(c) -> dict:
+    """A whole run of config `c`: the median wall time of its compiled iterations (2 .. the one before
+    the last, which evaluates) and the median of each part of the split."""
+    rows, _ = _run_iterations(c)
+    last = c.train.num_iterations - 1
+    wall = [b["time"] - a["time"] for a, b in zip(rows[1:], rows[2:]) if 2 <= b["step"] <= last]
+    warm = [r for r in rows if 2 <= r["step"] <= last]
+    return dict(seconds=float(np.median(wall)), split={k: float(np.median([r[k] for r in warm])) for k in SPLIT})
+
+
 def diagnostics_cost(size: str, repeats: int) -> dict:
     """What the research instruments cost on the default config, measured where each one runs: the
     drift pass (its own timer, inside a run with everything on) and the routing split inside the
@@ -365,13 +375,7 @@ def diagnostics_cost(size: str, repeats: int) -> dict:
     for name, on in (("on", True), ("off", False)):
         run = c.copy_and_resolve_references()
         run.train.update(drift_metrics=on, routing_diagnostics=on)
-        rows, _ = _run_iterations(run)
-        last = run.train.num_iterations - 1
-        wall = [b["time"] - a["time"] for a, b in zip(rows[1:], rows[2:]) if 2 <= b["step"] <= last]
-        warm = [r for r in rows if 2 <= r["step"] <= last]
-        out[name] = dict(
-            seconds=float(np.median(wall)), split={k: float(np.median([r[k] for r in warm])) for k in SPLIT}
-        )
+        out[name] = _median_iteration(run)
     steps = {}
     for name, on in (("step_with_split", True), ("step_without_split", False)):
         run = c.copy_and_resolve_references()
@@ -438,13 +442,7 @@ def critic_cost(size: str, repeats: int) -> dict:
         run = base_config(algorithm, "tiny" if size == "tiny" else "default")
         run.train.update(num_iterations=4 if size == "tiny" else 12, eval_every=1000, checkpoint_every=1000)
         run.warm_start.steps = 0
-        rows, _ = _run_iterations(run)
-        last = run.train.num_iterations - 1
-        wall = [b["time"] - a["time"] for a, b in zip(rows[1:], rows[2:]) if 2 <= b["step"] <= last]
-        warm = [r for r in rows if 2 <= r["step"] <= last]
-        runs[algorithm] = dict(
-            seconds=float(np.median(wall)), split={k: float(np.median([r[k] for r in warm])) for k in SPLIT}
-        )
+        runs[algorithm] = _median_iteration(run)
     out["iterations"] = runs
     per_iteration = out["updates_per_iteration"] * (
         out["step_with_critic_seconds"] - out["step_without_critic_seconds"]

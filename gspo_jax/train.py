@@ -1,7 +1,8 @@
 """The RL trainer: a typed train state and batch, a jitted and sharded `train_step`, and the loop.
 
 One iteration (`rl_iteration`): rollout with π_old → old log-probs (the sampler's, or the trainer's
-recomputation; the max difference is logged) → ref log-probs when kl_coef > 0 → `epochs` ×
+recomputation; the max difference is logged) → ref log-probs when kl_coef > 0 → with a critic (PPO),
+its values and GAE advantages in place of the group ones → `epochs` ×
 `minibatches` shuffled minibatches of `train_step` → routing drift of the updated policy against
 π_old. `train_and_evaluate` wraps it with the warm start, evaluation, logging and checkpoints. Every
 jitted function has fixed shapes and compiles once per run. Shape letters: `gspo_jax/__init__.py`.
@@ -146,7 +147,8 @@ def train_step(
     balancing and z losses are batch statistics, computed per micro-batch as everywhere). A non-finite
     loss or gradient leaves the state untouched and is counted in `skipped`. Metrics are per update
     (`metrics.per_update`). With `static.on_policy`, `batch.old_logp` and `batch.topk` are not read:
-    the forward provides them, and they come back as `Scored`."""
+    the forward provides them, and they come back as `Scored`. With `static.critic` (PPO) the critic
+    is updated too, on the same micro-batches, with its own optimizer (`critic.update`)."""
     cfg, M = static.loss, static.microbatches
     tx = optimizer_lib.make_optimizer(static.optimizer, static.total_steps)
     correct = lambda old_BT, b: mismatch.correction(
