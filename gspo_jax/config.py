@@ -239,6 +239,10 @@ def build(c: ml_collections.ConfigDict, device_count: int | None = None) -> Buil
     check_int("config", "warm_start.steps", w.steps, low=0)
     check_int("config", "warm_start.batch_size", w.batch_size)
     OptimizerConfig.from_config(w, "config.warm_start")
+    critic_cfg = _critic(c, model_cfg)
+    experts = [("model", model_cfg)] + ([("critic.model", critic_cfg.model)] if critic_cfg else [])
+    for key, m in experts[1:]:  # a separate critic scores the batch in its own chunks
+        check(batch % m.batch_chunks == 0, "config", f"{key}.batch_chunks", m.batch_chunks, f"a divisor of {batch}")
     chunks = model_cfg.batch_chunks
     check(
         batch % (chunks * t.drift_subsample) == 0,
@@ -251,11 +255,12 @@ def build(c: ml_collections.ConfigDict, device_count: int | None = None) -> Buil
         c.mesh,
         batch=batch,
         score_chunk=batch // chunks,
+        critic_chunk=batch // critic_cfg.model.batch_chunks if critic_cfg else 0,  # 0: no critic
         microbatch=batch // (t.minibatches * t.microbatches),
         drift_batch=batch // (t.drift_subsample * chunks),
         warm_start_batch=w.batch_size if w.steps else 0,  # 0: no warm start, nothing to split
         devices=jax.device_count() if device_count is None else device_count,
-        num_experts=model_cfg.num_experts if model_cfg.num_moe_layers else 0,
+        num_experts={key: m.num_experts for key, m in experts if m.num_moe_layers},
     )
     tokenizer = load_tokenizer(c.tokenizer_path or None)
     bos = 0 if tokenizer.bos_token_id is None else 1
@@ -282,7 +287,7 @@ def build(c: ml_collections.ConfigDict, device_count: int | None = None) -> Buil
             loss_cfg.sum_norm_len,
             f"Dr.GRPO normalises by the max completion length, max_new_tokens={c.max_new_tokens}",
         )
-    return Built(model=model_cfg, loss=loss_cfg, rollout=rollout_cfg, task=task, critic=_critic(c, model_cfg))
+    return Built(model=model_cfg, loss=loss_cfg, rollout=rollout_cfg, task=task, critic=critic_cfg)
 
 
 def _critic(c: ml_collections.ConfigDict, policy: model_lib.ModelConfig) -> CriticConfig | None:
@@ -325,11 +330,12 @@ def _check_mesh(
     *,
     batch: int,
     score_chunk: int,
+    critic_chunk: int = 0,
     microbatch: int,
     drift_batch: int,
     warm_start_batch: int,
     devices: int,
-    num_experts: int,
+    num_experts: dict[str, int],
 ) -> None:
     """Axis sizes against the devices present, and the data axes against every batch they split."""
     sizes = {k: mesh[k] for k in ("data", "fsdp", "expert", "tensor")}
@@ -350,16 +356,18 @@ def _check_mesh(
     for what, size in (
         ("num_groups×group_size", batch),
         ("a batch chunk (model.batch_chunks)", score_chunk),
+        ("a critic batch chunk (critic.model.batch_chunks)", critic_chunk),
         ("a micro-batch (train.minibatches, train.microbatches)", microbatch),
         ("a drift batch chunk (train.drift_subsample, model.batch_chunks)", drift_batch),
         ("warm_start.batch_size", warm_start_batch),
     ):
         check(size % data == 0, "config", "mesh", dict(sizes), f"data×fsdp×expert={data} must divide {what}={size}")
-    if num_experts and sizes["expert"] > 1:  # expert parallelism gives each expert shard E / expert of them
-        check(
-            num_experts % sizes["expert"] == 0,
-            "config",
-            "mesh.expert",
-            sizes["expert"],
-            f"a divisor of model.num_experts={num_experts}",
-        )
+    for key, n in num_experts.items():  # expert parallelism gives each expert shard E / expert of them
+        if sizes["expert"] > 1:
+            check(
+                n % sizes["expert"] == 0,
+                "config",
+                "mesh.expert",
+                sizes["expert"],
+                f"a divisor of {key}.num_experts={n}",
+            )

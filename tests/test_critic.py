@@ -246,6 +246,19 @@ def test_bad_critic_values_are_refused_at_build_naming_the_key(key, value, words
         build(c)
 
 
+def test_a_separate_critic_must_fit_the_mesh_and_the_batch():
+    c = base_config("ppo", "tiny")
+    c.critic.trunk = "separate"
+    c.critic.model.num_experts, c.mesh.expert = 6, 4  # the policy's 8 experts split over 4; the critic's 6 do not
+    with pytest.raises(ConfigError, match=r"mesh.expert.*critic.model.num_experts=6"):
+        build(c, device_count=4)
+    c = base_config("ppo", "tiny")
+    c.critic.trunk = "separate"
+    c.critic.model.batch_chunks = 3
+    with pytest.raises(ConfigError, match=r"critic.model.batch_chunks=3"):
+        build(c)
+
+
 def test_only_a_critic_algorithm_has_a_critic_section():
     assert "critic" in base_config("ppo", "tiny") and "critic" not in base_config("grpo", "tiny")
     c = base_config("ppo", "tiny")
