@@ -12,13 +12,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
+from test_train import Setup, minibatch, tiny, values
 
 from gspo_jax import critic as critic_lib
 from gspo_jax import train
 from gspo_jax.checkpoint import Checkpointer
 from gspo_jax.config import base_config, build
 from gspo_jax.validation import ConfigError
-from tests.test_train import Setup, minibatch, tiny, values
 
 
 def ppo_setup(**mesh) -> Setup:
@@ -269,7 +269,7 @@ def test_only_a_critic_algorithm_has_a_critic_section():
 
 @pytest.mark.slow
 def test_tiny_ppo_run_logs_the_critic_and_resumes_bitwise_with_it(tmp_path, monkeypatch):
-    from tests.test_train import _metrics, _sigterm_after
+    from test_train import _metrics, _sigterm_after
 
     c = tiny("ppo")
     train.train_and_evaluate(c, tmp_path / "full", progress=False)
