@@ -181,15 +181,25 @@ def block_layout(topk_NK: jax.Array, num_experts: int, b: int) -> BlockLayout:
 STATIC_EXPERT_LOOPS = 16
 
 
-def _for_each_block(layout: BlockLayout, num_experts: int, body, carry):
-    """carry = body(i, e, carry) for every used block i, in order, e its expert."""
+def _for_each_block(layout: BlockLayout, weights: tuple, body, carry):
+    """carry = body(i, carry, w, e) for every used block i, in order: e is its expert and w the tuple
+    of each [E, ...] array of `weights` at e. With static experts each expert's weights are sliced
+    once, before its loop: XLA:CPU neither hoists such a slice out of the loop nor makes it a view,
+    so slicing inside copied the expert's weights for every block (`benchmarks/profile.py`)."""
+    num_experts = weights[0].shape[0]
     if num_experts <= STATIC_EXPERT_LOOPS:
         for e in range(num_experts):
+            w = tuple(x[e] for x in weights)
             start = layout.block_end_E[e - 1] if e else 0
-            carry = jax.lax.fori_loop(start, layout.block_end_E[e], functools.partial(body, e=e), carry)
+            carry = jax.lax.fori_loop(start, layout.block_end_E[e], lambda i, c, w=w, e=e: body(i, c, w, e), carry)
         return carry
     end = layout.block_end_E[num_experts - 1]  # the blocks of "no expert" (index E), if any, are skipped
-    return jax.lax.fori_loop(0, end, lambda i, c: body(i, c, e=layout.expert_NB[i]), carry)
+
+    def one(i, c):
+        e = layout.expert_NB[i]
+        return body(i, c, tuple(x[e] for x in weights), e)
+
+    return jax.lax.fori_loop(0, end, one, carry)
 
 
 def _rows(x_RD, i, b):
@@ -210,16 +220,16 @@ def _swiglu_blocks(layout: BlockLayout, x_RD, w_gu_EDG, w_down_EFD, b: int, keep
     F = w_down_EFD.shape[1]
     dtype = x_RD.dtype
 
-    def body(i, carry, e):
-        y_RD, gu_RG = carry
-        gu_bG = _dot(_rows(x_RD, i, b), w_gu_EDG[e]).astype(dtype)
+    def body(i, carry, w, e):
+        (y_RD, gu_RG), (w_gu_DG, w_down_FD) = carry, w
+        gu_bG = _dot(_rows(x_RD, i, b), w_gu_DG).astype(dtype)
         h_bF = jax.nn.silu(gu_bG[:, :F]) * gu_bG[:, F:]
-        y_RD = _put_rows(y_RD, _dot(h_bF, w_down_EFD[e]), i, b)
+        y_RD = _put_rows(y_RD, _dot(h_bF, w_down_FD), i, b)
         return y_RD, (_put_rows(gu_RG, gu_bG, i, b) if keep_gu else gu_RG)
 
     R, D = x_RD.shape
     gu_RG = jnp.zeros((R if keep_gu else 0, 2 * F), dtype)
-    return _for_each_block(layout, w_gu_EDG.shape[0], body, (jnp.zeros((R, D), dtype), gu_RG))
+    return _for_each_block(layout, (w_gu_EDG, w_down_EFD), body, (jnp.zeros((R, D), dtype), gu_RG))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -251,17 +261,17 @@ def _sparse_experts_bwd(b, res, dy_ND):
     )
     dy_RD = (jnp.concatenate([dy_ND, jnp.zeros_like(dy_ND[:1])])[layout.token_R] * gate_R[:, None]).astype(dtype)
 
-    def body(i, carry, e):
-        dx_RD, dw_gu_EDG, dw_down_EFD = carry
+    def body(i, carry, w, e):
+        (dx_RD, dw_gu_EDG, dw_down_EFD), (w_gu_DG, w_down_FD) = carry, w
         dy_bD, x_bD, gu_bG = _rows(dy_RD, i, b), _rows(x_RD, i, b), _rows(gu_RG, i, b).astype(jnp.float32)
         g_bF, u_bF = gu_bG[:, :F], gu_bG[:, F:]
         sig_bF = jax.nn.sigmoid(g_bF)
         silu_bF = g_bF * sig_bF
         h_bF = (silu_bF * u_bF).astype(dtype)
-        dh_bF = _dot(dy_bD, w_down_EFD[e].T)
+        dh_bF = _dot(dy_bD, w_down_FD.T)
         d_gu_bG = jnp.concatenate([dh_bF * u_bF * sig_bF * (1 + g_bF * (1 - sig_bF)), dh_bF * silu_bF], -1)
         d_gu_bG = d_gu_bG.astype(dtype)
-        dx_RD = _put_rows(dx_RD, _dot(d_gu_bG, w_gu_EDG[e].T), i, b)
+        dx_RD = _put_rows(dx_RD, _dot(d_gu_bG, w_gu_DG.T), i, b)
         dw_gu_EDG = dw_gu_EDG.at[e].add(_dot(x_bD.T, d_gu_bG))
         dw_down_EFD = dw_down_EFD.at[e].add(_dot(h_bF.T, dy_bD))
         return dx_RD, dw_gu_EDG, dw_down_EFD
@@ -271,7 +281,7 @@ def _sparse_experts_bwd(b, res, dy_ND):
         jnp.zeros(w_gu_EDG.shape, jnp.float32),
         jnp.zeros(w_down_EFD.shape, jnp.float32),
     )
-    dx_RD, dw_gu_EDG, dw_down_EFD = _for_each_block(layout, E, body, init)
+    dx_RD, dw_gu_EDG, dw_down_EFD = _for_each_block(layout, (w_gu_EDG, w_down_EFD), body, init)
     dx_ND = jnp.sum(dx_RD[layout.row_NK].astype(jnp.float32), axis=1).astype(dtype)
     dw_gate, dw_up = dw_gu_EDG[..., :F], dw_gu_EDG[..., F:]
     cast = lambda g, like: g.astype(like.dtype)
