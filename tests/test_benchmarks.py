@@ -72,3 +72,29 @@ def test_runner_produces_every_figure(tmp_path):
         positive(v["seconds"]) for v in k["iterations"].values()
     )
     assert 0 < k["critic_share"] < 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("program", ["train_step", "sampler"])
+def test_profiler_accounts_for_the_traced_time(tmp_path, program):
+    """benchmarks.profile reads its own trace back: busy shares cover the window, per-kind times add up
+    to the thread time, and the slowest ops are matched to the compiled HLO."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    out = tmp_path / "profile.json"
+    cmd = ["-m", "benchmarks.profile", "--program", program, "--shape", "tiny", "--calls", "2", "--top", "1000"]
+    r = subprocess.run(
+        [sys.executable, *cmd, "--out", str(out)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stderr[-3000:]
+    rep = json.loads(out.read_text())
+    assert rep["program"] == program and rep["threads"] >= 1
+    assert sum(rep["busy_share"].values()) == pytest.approx(1.0, abs=1e-6)
+    assert set(rep["busy_share"]) <= {"0", "1", "2+"}
+    assert sum(rep["by_kind"].values()) == pytest.approx(rep["thread_seconds_per_call"], rel=1e-6)
+    assert 0 < rep["matmul_share"] <= 1 and 0 <= rep["memory_pass_share"] < 1
+    assert rep["window_seconds_per_call"] > 0 and rep["untraced_seconds"] > 0
+    matched = [o for o in rep["slowest"] if o["shape"] not in ("?", "")]
+    assert len(matched) >= 0.9 * len(rep["slowest"])  # trace events carry the compiled HLO's names
+    assert any("dot_general" in o["source"] for o in rep["slowest"])  # and its JAX source ops
+    assert "Traceback" not in r.stderr and "ms per traced call" in r.stdout

@@ -1,0 +1,248 @@
+"""Where a compiled program's time goes on this CPU, per XLA op: the tool behind the README's
+profiling notes, so a change can be profiled before and after the same way.
+
+    python -m benchmarks.profile                                  # the train step, `iteration` shape
+    python -m benchmarks.profile --program sampler --shape iteration
+    python -m benchmarks.profile --program train_step --shape bench --calls 2 --out /tmp/p.json
+
+It runs the program once to warm up, traces `--calls` more calls with `jax.profiler`, reads the trace
+back (`jax.profiler.ProfileData`) and matches each op to the compiled HLO (`Compiled.as_text()`):
+- wall time per call and how busy XLA's worker threads were (the share of the traced window with 0,
+  1 or 2+ of them running an op): XLA:CPU runs one op per thread, so time with one thread busy is
+  time the second core waited on a chain of dependent ops;
+- exclusive time by op kind (the HLO name without its number: `ynn_fusion` is a matmul fused by
+  YNNPACK, `wrapped_broadcast` a materialised broadcast such as a scan's zero-filled output stack);
+- the share spent in ops that are not matmuls and write at least `--big-mib` MiB: passes over
+  memory (optimizer updates, non-finite checks, copies and stacks of per-layer buffers);
+- the slowest ops with their shapes and JAX source op names.
+
+Shapes: `tiny` (the CI smoke test), `default`, `bench` (`benchmarks.run.bench_config`) and
+`iteration` (`benchmarks.run.iteration_config`). Timing is wall clock on a shared machine: compare
+runs made back to back, as everywhere in `benchmarks/`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import re
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from benchmarks.run import _pieces, bench_config, iteration_config, random_batch
+from gspo_jax import train
+from gspo_jax.sampler import Sampler, left_pad
+from gspo_jax.sharding import mesh_from_config
+
+PROGRAMS = ("train_step", "sampler")
+SHAPES = ("tiny", "default", "bench", "iteration")
+BOOKKEEPING = ("ThunkExecutor::", "SlinkyThreadPool::", "end: ")  # executor waits, not ops
+WORKER_PREFIX = "tf_XLAEigen"  # XLA:CPU's worker threads in the host plane
+
+
+def _config(shape: str):
+    return iteration_config("full") if shape == "iteration" else bench_config(shape)
+
+
+def train_step_program(shape: str):
+    """(call, compiled HLO text) for one train step of `shape` on a random, well-formed minibatch."""
+    c = _config(shape)
+    built, _, params, programs = _pieces(c)
+    B = built.rollout.num_groups * built.rollout.group_size // c.train.minibatches
+    batch = jax.device_put(random_batch(programs, params, B, c.prompt_len, c.max_new_tokens), programs.batch_shardings)
+    state = [train.init_train_state(programs, params, 0)]
+    step = programs.train_step
+    compiled = step.func.lower(*step.args, state[0], batch).compile()
+
+    def call():
+        state[0], metrics, _ = compiled(state[0], batch)  # the same minibatch every call, as benchmarks.run times it
+        return metrics
+
+    return call, compiled.as_text()
+
+
+def sampler_program(shape: str):
+    """(call, compiled HLO text) for one rollout batch of `shape`: prefill and the decode loop."""
+    c = _config(shape)
+    built, graphdef, params, _ = _pieces(c)
+    B = built.rollout.num_groups * built.rollout.group_size
+    P, C = c.prompt_len, c.max_new_tokens
+    sampler = Sampler(graphdef, built.model, B, P, C, mesh=mesh_from_config(**c.mesh), state=params)
+    rng = np.random.default_rng(0)
+    prompts, mask = left_pad([rng.integers(4, built.model.vocab_size, P) for _ in range(B)], P)
+    t, k, p = jnp.float32(1.0), jnp.int32(0), jnp.float32(1.0)
+    key = jax.random.key(0)
+
+    def call():
+        return sampler(params, prompts, mask, key, temperature=t, top_k=k, top_p=p).tokens
+
+    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
+    return call, sampler.lower(abstract).compile().as_text()
+
+
+def _hlo_index(hlo: str) -> dict[str, tuple[str, str]]:
+    """{instruction name: (result shape, JAX op name)} from compiled HLO text."""
+    out = {}
+    for line in hlo.splitlines():
+        m = re.match(r"\s*(?:ROOT )?%?([\w.\-]+) = (\w+\[[^\]]*\]|\()", line)
+        if m:
+            source = re.search(r'op_name="([^"]*)"', line)
+            out[m.group(1)] = ("tuple" if m.group(2) == "(" else m.group(2), source.group(1) if source else "")
+    return out
+
+
+def _nbytes(shape: str) -> int:
+    total = 0
+    for dtype, dims in re.findall(r"(\w+)\[([\d,]*)\]", shape):
+        n = int(np.prod([int(d) for d in dims.split(",") if d])) if dims else 1
+        width = 1 if dtype == "pred" else int(re.sub(r"\D", "", dtype) or 32) // 8
+        total += n * max(width, 1)
+    return total
+
+
+def _kind(name: str) -> str:
+    return re.sub(r"\.\d+$", "", name)
+
+
+def _is_matmul(name: str) -> bool:
+    return name.startswith(("ynn_fusion", "dot", "xnn_fusion", "onednn")) or "dot" in _kind(name).split("_")
+
+
+def analyse(trace_dir: str, hlo: str, calls: int, big_mib: float, top: int = 15) -> dict:
+    """The report for the trace in `trace_dir` of `calls` calls of the program compiled to `hlo`."""
+    files = sorted(Path(trace_dir).rglob("*.xplane.pb"))
+    if not files:
+        raise RuntimeError(f"no trace written under {trace_dir}")
+    data = jax.profiler.ProfileData.from_file(str(files[-1]))
+    workers = []
+    for plane in data.planes:
+        for line in plane.lines:
+            if line.name.startswith(WORKER_PREFIX):
+                ops = [
+                    (e.start_ns, e.start_ns + e.duration_ns, e.name)
+                    for e in line.events
+                    if not e.name.startswith(BOOKKEEPING)
+                ]
+                workers.append(sorted(ops))
+    if not any(workers):
+        raise RuntimeError("no XLA:CPU worker-thread events in the trace (this tool reads CPU traces only)")
+    index = _hlo_index(hlo)
+    exclusive, by_op = collections.Counter(), collections.Counter()
+    edges = []
+    for ops in workers:
+        stack: list[list] = []  # [end, name, exclusive ns]: ops nest (a while op holds its body's ops)
+        done = []
+        for start, end, name in ops:
+            while stack and stack[-1][0] <= start:
+                done.append(stack.pop())
+            if stack:
+                stack[-1][2] -= end - start
+            stack.append([end, name, end - start])
+        done += stack
+        for _, name, ns in done:
+            exclusive[_kind(name)] += ns / 1e9
+            by_op[name] += ns / 1e9
+        # busy intervals of this thread: the outermost ops
+        cur = None
+        for start, end, _ in ops:
+            if end <= start:
+                continue
+            if cur and start < cur[1]:
+                cur[1] = max(cur[1], end)
+                continue
+            if cur:
+                edges += [(cur[0], 1), (cur[1], -1)]
+            cur = [start, end]
+        if cur:
+            edges += [(cur[0], 1), (cur[1], -1)]
+    edges.sort(key=lambda e: (e[0], -e[1]))  # at a tie, starts first: the level never dips below 0
+    window = edges[-1][0] - edges[0][0]
+    busy = collections.Counter()
+    level, last = 0, edges[0][0]
+    for t, d in edges:
+        busy[min(level, 2)] += t - last
+        level, last = level + d, t
+    busy_s = sum(exclusive.values())
+    big = 0.0
+    for name, s in by_op.items():
+        shape = index.get(name, ("", ""))[0]
+        if not _is_matmul(name) and not name.startswith("while") and _nbytes(shape) >= big_mib * 2**20:
+            big += s
+    matmul = sum(s for name, s in by_op.items() if _is_matmul(name))
+    slowest = []
+    for name, s in by_op.most_common(top):
+        shape, source = index.get(name, ("?", ""))
+        slowest.append(dict(op=name, seconds_per_call=s / calls, shape=shape, source=source))
+    return dict(
+        window_seconds_per_call=window / 1e9 / calls,
+        threads=len(workers),
+        busy_share={str(k) + ("+" if k == 2 else ""): v / window for k, v in sorted(busy.items())},
+        thread_seconds_per_call=busy_s / calls,
+        matmul_share=matmul / busy_s,
+        memory_pass_share=big / busy_s,
+        by_kind={k: v / calls for k, v in exclusive.most_common(top)},
+        slowest=slowest,
+    )
+
+
+def profile(program: str, shape: str, calls: int, big_mib: float, top: int = 15) -> dict:
+    call, hlo = (train_step_program if program == "train_step" else sampler_program)(shape)
+    jax.block_until_ready(call())
+    t0 = time.perf_counter()
+    jax.block_until_ready(call())
+    untraced = time.perf_counter() - t0
+    with tempfile.TemporaryDirectory() as trace_dir:
+        jax.profiler.start_trace(trace_dir)
+        for _ in range(calls):
+            jax.block_until_ready(call())
+        jax.profiler.stop_trace()
+        report = analyse(trace_dir, hlo, calls, big_mib, top)
+    return dict(program=program, shape=shape, calls=calls, untraced_seconds=untraced, **report)
+
+
+def print_report(r: dict) -> None:
+    print(
+        f"{r['program']} on `{r['shape']}`: {r['untraced_seconds'] * 1e3:.1f} ms untraced, "
+        f"{r['window_seconds_per_call'] * 1e3:.1f} ms per traced call, {r['threads']} worker threads "
+        f"busy {r['thread_seconds_per_call'] * 1e3:.1f} thread-ms per call"
+    )
+    share = ", ".join(f"{k} busy {v:.0%}" for k, v in r["busy_share"].items())
+    print(f"  time with 0 / 1 / 2+ worker threads running an op: {share}")
+    print(
+        f"  matmuls {r['matmul_share']:.0%} of thread time; "
+        f"non-matmul ops writing big buffers {r['memory_pass_share']:.0%}"
+    )
+    print("  exclusive thread time by op kind (ms per call):")
+    for k, v in r["by_kind"].items():
+        print(f"    {v * 1e3:9.2f}  {k}")
+    print("  slowest ops (ms per call, result shape, JAX op):")
+    for o in r["slowest"]:
+        print(f"    {o['seconds_per_call'] * 1e3:9.2f}  {o['op']}  {o['shape'][:48]}  {o['source'][-70:]}")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--program", choices=PROGRAMS, default="train_step")
+    ap.add_argument("--shape", choices=SHAPES, default="iteration")
+    ap.add_argument("--calls", type=int, default=3, help="traced calls (after one warm-up)")
+    ap.add_argument("--big-mib", type=float, default=8.0, help="a memory pass writes at least this many MiB")
+    ap.add_argument("--top", type=int, default=15, help="op kinds and single ops listed")
+    ap.add_argument("--out", help="also write the report here as JSON")
+    args = ap.parse_args()
+    if args.calls < 1:
+        ap.error(f"--calls {args.calls}: must be at least 1")
+    r = profile(args.program, args.shape, args.calls, args.big_mib, args.top)
+    print_report(r)
+    if args.out:
+        Path(args.out).write_text(json.dumps(r, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
