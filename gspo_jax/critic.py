@@ -19,10 +19,10 @@ import optax
 from flax import nnx, struct
 
 from gspo_jax import advantages as adv_lib
+from gspo_jax import compiles, sharding
 from gspo_jax import metrics as metrics_lib
 from gspo_jax import model as model_lib
 from gspo_jax import optimizer as optimizer_lib
-from gspo_jax import sharding
 from gspo_jax.metrics import Count, Max, Mean, Min
 from gspo_jax.validation import check, check_choice, check_number
 
@@ -106,7 +106,10 @@ def init_params(cfg: CriticConfig, policy_params: nnx.State, seed: int, sharding
     trains on) and a zero head, or a random model from `seed` (`trunk="separate"`). One program per config."""
     if cfg.trunk == "policy":
         return jax.jit(_from_policy, static_argnums=0, out_shardings=shardings)(cfg.model, policy_params)
-    return jax.jit(_random_state, static_argnums=0, out_shardings=shardings)(cfg.model, jnp.int32(seed))
+    build = jax.jit(
+        _random_state, static_argnums=0, out_shardings=shardings, compiler_options=compiles.run_once_options()
+    )
+    return build(cfg.model, jnp.int32(seed))
 
 
 def values(graphdef: nnx.GraphDef, params: nnx.State, tokens_BT: Array, positions_BT: Array) -> Array:

@@ -26,7 +26,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gspo_jax import moe, sharding
+from gspo_jax import compiles, moe, sharding
 from gspo_jax.losses import sequence_logprobs_from_hidden
 from gspo_jax.validation import check, check_choice, check_int, check_number
 
@@ -685,7 +685,9 @@ def init(cfg: ModelConfig, seed: int, shardings=None) -> tuple[nnx.GraphDef, nnx
     eager build compiles each initializer per shape, seconds on CPU) and placed by `shardings` if
     given (a tree like `param_shardings`' result). One compile per config, whatever the seed."""
     graphdef, _ = abstract_model(cfg)
-    build = jax.jit(_random_state, static_argnums=0, out_shardings=shardings)
+    build = jax.jit(
+        _random_state, static_argnums=0, out_shardings=shardings, compiler_options=compiles.run_once_options()
+    )
     return graphdef, build(cfg, np.int32(seed))
 
 

@@ -114,6 +114,13 @@ def _pick(acc, src, rows_B, take_B):
     return jax.tree.map(where, acc, src)
 
 
+# The reward-side maths runs on host arrays once per round: one compiled program each, not one compile
+# per jnp op on first use (about a second of a run's first iteration).
+_informative_groups = jax.jit(adv_lib.informative_groups, static_argnums=1)
+_overlong_penalty = jax.jit(adv_lib.overlong_penalty, static_argnums=(1, 2))
+_group_advantages = jax.jit(adv_lib.group_advantages, static_argnums=(1, 2, 3))
+
+
 def _loss_mask(completion_mask_BT, keep_B):
     return (completion_mask_BT & keep_B[:, None]).astype(jnp.float32)
 
@@ -196,9 +203,9 @@ class Rollout:
         s = self.sample(state, examples, G, key, temperature=cfg.temperature, top_k=cfg.top_k, top_p=cfg.top_p)
         rewards = s.raw
         if cfg.overlong_cache_len > 0:
-            penalty = adv_lib.overlong_penalty(s.lengths, self.sampler.max_new_tokens, cfg.overlong_cache_len)
+            penalty = _overlong_penalty(s.lengths, self.sampler.max_new_tokens, cfg.overlong_cache_len)
             rewards = s.raw + cfg.overlong_factor * np.asarray(penalty)
-        return _Round(s, rewards.astype(np.float32), np.asarray(adv_lib.informative_groups(rewards, G)))
+        return _Round(s, rewards.astype(np.float32), np.asarray(_informative_groups(rewards, G)))
 
     def __call__(self, state, prompt_iter, key) -> tuple[RolloutBatch, dict[str, float]]:
         cfg, G = self.cfg, self.cfg.group_size
@@ -215,7 +222,7 @@ class Rollout:
         truncated = host(lambda x: x.sampled.truncated)
         keep_B = weight_B & ~(truncated if cfg.overlong_filter else np.zeros_like(truncated))
         rewards = host(lambda x: x.rewards)
-        advantages = adv_lib.group_advantages(rewards, G, cfg.advantage_scale, cfg.advantage_eps, valid=weight_B)
+        advantages = _group_advantages(rewards, G, cfg.advantage_scale, cfg.advantage_eps, valid=weight_B)
         fields = self._assemble(rounds, src_round, src_row)
         B = len(src_row)
         keep = multihost.put_rows(keep_B[self.rows], self.rows, self.sampler.batch_sharding(1), B)
