@@ -33,7 +33,7 @@ setup(
         "numpy>=2.0",
     ],
     extras_require={
-        "dev": ["pytest>=9.0", "hypothesis>=6.155", "ruff>=0.17.6"],
+        "dev": ["pytest>=9.0", "pytest-xdist>=3.8", "hypothesis>=6.155", "ruff>=0.17.6"],
         "tpu": ["jax[tpu]>=0.10.2"],
     },
 )

@@ -11,12 +11,14 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # tiny programs compile again in many modules (each module's are dropped, below) and child processes
 # (test_runs + test_critic: 403 -> 323 s). A load still counts for `compile_counter` (the same
 # jax.monitoring event as a compile), so the compile-once tests assert the same thing.
-_XLA_CACHE = tempfile.mkdtemp(prefix="gspo_jax_tests_xla_")
-atexit.register(shutil.rmtree, _XLA_CACHE, ignore_errors=True)
-os.environ.setdefault("JAX_COMPILATION_CACHE_DIR", _XLA_CACHE)
+# Under pytest-xdist the controller makes it and removes it at exit; its workers inherit it.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = tempfile.mkdtemp(prefix="gspo_jax_tests_xla_")
+    atexit.register(shutil.rmtree, os.environ["JAX_COMPILATION_CACHE_DIR"], ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
 import gc  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import jax  # noqa: E402  (must come after XLA_FLAGS)
 import pytest  # noqa: E402
@@ -28,6 +30,22 @@ if os.environ.get("CI"):
     settings.load_profile("ci")
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+
+# The slowest modules (end-to-end runs in child processes), scheduled first: each xdist worker takes
+# whole modules in this order, so no worker is left with a long one at the end (pytest.ini).
+SLOWEST_FIRST = ("test_benchmarks.py", "test_multihost.py", "test_critic.py", "test_runs.py")
+MAX_WORKERS = 4  # a worker holds up to ~4 GB (compiled programs of a module, fake 8-device arrays)
+
+
+def pytest_xdist_auto_num_workers(config):
+    """`-n auto`: one worker per core, at most MAX_WORKERS."""
+    return max(1, min(os.cpu_count() or 1, MAX_WORKERS))
+
+
+def pytest_collection_modifyitems(items):
+    rank = {name: i for i, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(Path(item.fspath).name, len(rank)))  # stable: the rest keep their order
 
 
 @pytest.fixture(autouse=True, scope="module")

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gspo_jax import losses, train
+from gspo_jax import losses, routing, train
 from gspo_jax import model as model_lib
 from gspo_jax.checkpoint import Checkpointer
 from gspo_jax.config import base_config, build
@@ -216,6 +216,31 @@ def test_routing_diagnostics_switch_off():
     assert "flipped_frac" not in m and "grad_share_flipped" not in m and "clip_frac" in m
     drift = s.programs.drift(s.params, jax.device_put(batch, s.programs.batch_shardings))
     assert "router_margin" not in drift and "router_flip_rate" in drift
+
+
+def test_drift_equals_the_own_and_the_replayed_forward():
+    """The drift program's metrics equal those computed from two separate forwards of π_θ: routing
+    itself, and under π_old's routing replayed (in batch chunks too)."""
+    c = tiny()
+    c.model.batch_chunks = 2
+    s = Setup(c)
+    batch = minibatch(s, seed=5)
+    c.seed += 1  # another policy than the one that routed the batch: its routing differs
+    _, params = train.init_policy(c, s.built.model, s.mesh)
+    drift = s.programs.drift(params, jax.device_put(batch, s.programs.batch_shardings))
+    temperature = float(s.built.rollout.temperature) or 1.0
+    own, aux = model_lib.logprobs(
+        s.graphdef, params, batch.tokens, batch.positions, None, temperature, return_router_logits=True
+    )
+    replayed, _ = model_lib.score(s.graphdef, temperature, params, batch.tokens, batch.positions, batch.topk)
+    mask = batch.completion_mask
+    want = routing.routing_drift(batch.topk, aux.topk, mask)
+    want.update(routing.log_ratio_decomposition(own, replayed, batch.old_logp, mask))
+    want.update(routing.routing_diagnostics(batch.topk, aux.topk, aux.router_logits, mask))
+    assert set(drift) == set(want)
+    assert float(want["router_flip_rate"]) > 0 and float(want["logratio_routing_abs"]) > 0  # the two forwards differ
+    for k, v in want.items():
+        np.testing.assert_allclose(drift[k], v, rtol=1e-5, atol=1e-6, err_msg=k)
 
 
 @pytest.mark.parametrize(
