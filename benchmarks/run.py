@@ -46,6 +46,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental.compilation_cache import compilation_cache
 
 from gspo_jax import losses, moe, train
 from gspo_jax import model as model_lib
@@ -316,7 +317,9 @@ def _run_iterations(c, cache_dir: str | None = None, cold: bool = True) -> tuple
     earlier sections compiled are reused (only the compiled iterations are timed then)."""
     before = jax.config.jax_compilation_cache_dir
     if cold:
+        # JAX opens the persistent cache once, at the first compile after a reset, and keeps it.
         jax.config.update("jax_compilation_cache_dir", cache_dir)
+        compilation_cache.reset_cache()
         jax.clear_caches()
     try:
         with tempfile.TemporaryDirectory() as workdir:
@@ -324,7 +327,9 @@ def _run_iterations(c, cache_dir: str | None = None, cold: bool = True) -> tuple
             train.train_and_evaluate(c, workdir, progress=False)
             rows = [json.loads(x) for x in (Path(workdir) / "metrics.jsonl").read_text().splitlines()]
     finally:
-        jax.config.update("jax_compilation_cache_dir", before)
+        if cold:  # later sections compile with the cache they had (not `cache_dir`, soon deleted)
+            jax.config.update("jax_compilation_cache_dir", before)
+            compilation_cache.reset_cache()
     return rows, t0
 
 
