@@ -596,7 +596,7 @@ def _run(config, built: config_lib.Built, workdir: Path, *, progress: bool, log_
             stop = multihost.any_process(guard.requested)  # a signal may reach only some hosts
             ckpt.save(it + 1, state, meta, force=stop or it + 1 == t.num_iterations)
             bar.update(metrics)
-            if stop:
+            if stop and it + 1 < t.num_iterations:  # a stop during the last iteration: the run has finished
                 bar.close()
                 raise StoppedEarly(guard.signum or signal.SIGTERM, it)
         bar.close()

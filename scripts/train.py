@@ -12,7 +12,8 @@ a TPU VM or pod slice JAX finds the coordinator itself; elsewhere pass `--coordi
 The workdir must be one path that every process sees (orbax writes each process's shards there).
 
 Exit codes (for schedulers and sweeps):
-    0    the run finished (or had nothing left to do), plots written
+    0    the run finished (or had nothing left to do), plots written; also when a SIGTERM or Ctrl-C
+         came during the last iteration
     2    refused before any work, one line on stderr: a bad flag, key or value; a config that differs
          from the one the workdir was started with; a workdir in use by another live run
     75   stopped early by SIGTERM or Ctrl-C at an iteration boundary, checkpoint saved: rerun to resume

@@ -475,7 +475,15 @@ def test_sigterm_saves_a_checkpoint_and_stops_at_the_iteration_boundary(tmp_path
     assert [r["step"] for r in _metrics(tmp_path)] == [0, 1]
 
 
-def test_training_starts_from_a_hugging_face_checkpoint(tmp_path):
+@pytest.mark.slow
+def test_a_sigterm_during_the_last_iteration_lets_the_run_finish(tmp_path, monkeypatch):
+    """Nothing is left to resume: the run ends as finished runs do, with its final checkpoint and plots."""
+    c = tiny("dapo")
+    c.train.update(num_iterations=2, checkpoint_every=100)
+    _sigterm_after(monkeypatch, 1)
+    train.train_and_evaluate(c, tmp_path, progress=False)  # no StoppedEarly
+    assert Checkpointer(tmp_path / "checkpoints").all_steps() == [2]
+    assert list((tmp_path / "plots").glob("*.png"))
     from gspo_jax import hf
     from gspo_jax.rollout import Rollout
     from gspo_jax.sampler import Sampler
