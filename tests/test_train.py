@@ -484,6 +484,9 @@ def test_a_sigterm_during_the_last_iteration_lets_the_run_finish(tmp_path, monke
     train.train_and_evaluate(c, tmp_path, progress=False)  # no StoppedEarly
     assert Checkpointer(tmp_path / "checkpoints").all_steps() == [2]
     assert list((tmp_path / "plots").glob("*.png"))
+
+
+def test_training_starts_from_a_hugging_face_checkpoint(tmp_path):
     from gspo_jax import hf
     from gspo_jax.rollout import Rollout
     from gspo_jax.sampler import Sampler
