@@ -43,7 +43,7 @@ class Run:
     """`scripts/train.py` on tiny PPO as `processes` processes of `devices` CPU devices each, each in
     its own session so that it and its children can be killed whatever happens."""
 
-    def __init__(self, workdir: Path, processes: int, devices: int, cache: Path, config: str = "ppo"):
+    def __init__(self, workdir: Path, processes: int, devices: int, cache: Path):
         self.workdir, self.procs, self.logs = workdir, [], []
         env = {
             **os.environ,
@@ -55,7 +55,7 @@ class Run:
             sys.executable,
             str(ROOT / "scripts" / "train.py"),
             "--config",
-            str(ROOT / "configs" / f"{config}.py:tiny"),
+            str(ROOT / "configs" / "ppo.py:tiny"),
         ]
         cmd += ["--workdir", str(workdir), f"--compilation_cache={cache}", "--log_every=1", *OVERRIDES]
         port = free_port()
