@@ -38,6 +38,7 @@ import numpy as np
 
 from benchmarks.run import _pieces, bench_config, iteration_config, random_batch
 from gspo_jax import train
+from gspo_jax.host_memory import reexec_with_huge_pages
 from gspo_jax.sampler import Sampler, left_pad
 from gspo_jax.sharding import mesh_from_config
 
@@ -245,4 +246,5 @@ def main():
 
 
 if __name__ == "__main__":
+    reexec_with_huge_pages()  # as scripts/train.py runs: XLA's big per-call buffers on huge pages
     sys.exit(main())

@@ -53,6 +53,7 @@ from gspo_jax import model as model_lib
 from gspo_jax.algorithms import ALGORITHMS
 from gspo_jax.config import base_config, build
 from gspo_jax.flops import matmul_params, train_flops
+from gspo_jax.host_memory import reexec_with_huge_pages
 from gspo_jax.sampler import Sampler, left_pad, sample_logits
 from gspo_jax.sharding import make_mesh, mesh_from_config, under_mesh
 
@@ -474,6 +475,7 @@ def main():
     repeats = 1 if args.size == "tiny" else args.repeats
     results = dict(machine=f"{platform.node()} {platform.machine()}, {jax.device_count()} {jax.devices()[0].platform}")
     results["jax"] = jax.__version__
+    results["glibc_tunables"] = os.environ.get("GLIBC_TUNABLES", "")  # huge pages or not: see host_memory
     results["peak"] = peak(args.size, repeats)
     flops = results["peak"]["flops_per_s"]
     print(f"peak float32 matmul: {flops / 1e9:.1f} GFLOP/s ({results['machine']})")
@@ -552,4 +554,5 @@ def main():
 
 
 if __name__ == "__main__":
+    reexec_with_huge_pages()  # as scripts/train.py runs: XLA's big per-call buffers on huge pages
     main()

@@ -31,6 +31,11 @@ from pathlib import Path
 # refused run prints exactly one line.
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+if __name__ == "__main__":
+    from gspo_jax.host_memory import reexec_with_huge_pages
+
+    reexec_with_huge_pages()  # XLA's big per-call buffers on huge pages; glibc reads this only at start-up
+
 import jax  # noqa: E402
 from absl import app, flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
