@@ -7,7 +7,8 @@
 Sections:
   peak       best float32 matmul FLOP/s over several square shapes (the denominator of every MFU)
   train      train-step MFU: analytic useful FLOPs / measured time / peak, on the default config
-             and on `bench` (width 512, 8 layers, 16 experts top-2)
+             and on `bench` (width 512, 8 layers, 16 experts top-2); the best call of those in 3 s
+             (at least --repeats), and the median's
   loss       forward + backward of `policy_loss` alone, as a share of the train step, per objective
   moe        MoE dispatch paths (dense, ragged, sparse) against each other, forward + backward; and
              again with two (fake CPU) devices beside the expert-parallel all-to-all path
@@ -61,15 +62,21 @@ SECTIONS = ("peak", "train", "loss", "moe", "sampler", "iteration", "diagnostics
 RESULTS = Path(__file__).with_name("results.json")
 
 
-def best_time(fn, repeats: int) -> float:
-    """Best wall time of `fn()` (results ready) over `repeats` runs, after one warm-up call."""
+def call_times(fn, repeats: int, min_seconds: float = 0.0) -> list[float]:
+    """Wall times of `fn()` (results ready), after one warm-up call: `repeats` calls, and more until
+    `min_seconds` have passed (a 50 ms step timed 5 times samples a shared machine for 0.25 s only)."""
     jax.block_until_ready(fn())
-    best = float("inf")
-    for _ in range(repeats):
+    times, start = [], time.perf_counter()
+    while len(times) < repeats or time.perf_counter() - start < min_seconds:
         t0 = time.perf_counter()
         jax.block_until_ready(fn())
-        best = min(best, time.perf_counter() - t0)
-    return best
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def best_time(fn, repeats: int, min_seconds: float = 0.0) -> float:
+    """Best wall time of `fn()` over `call_times`."""
+    return min(call_times(fn, repeats, min_seconds))
 
 
 # ---------------------------------------------------------------------------------------------- peak
@@ -130,7 +137,7 @@ def random_batch(programs, params, B: int, P: int, C: int, seed: int = 0) -> tra
     )
 
 
-def train_step_time(c, repeats: int) -> tuple[float, int, int, model_lib.ModelConfig]:
+def train_step_times(c, repeats: int, min_seconds: float = 0.0) -> tuple[list[float], int, int, model_lib.ModelConfig]:
     built, _, params, programs = _pieces(c)
     B = built.rollout.num_groups * built.rollout.group_size // c.train.minibatches
     batch = jax.device_put(random_batch(programs, params, B, c.prompt_len, c.max_new_tokens), programs.batch_shardings)
@@ -140,15 +147,22 @@ def train_step_time(c, repeats: int) -> tuple[float, int, int, model_lib.ModelCo
         state[0], m, _ = programs.train_step(state[0], batch)
         return m
 
-    return best_time(step, repeats), B, c.prompt_len + c.max_new_tokens, built.model
+    return call_times(step, repeats, min_seconds), B, c.prompt_len + c.max_new_tokens, built.model
+
+
+def train_step_time(c, repeats: int) -> tuple[float, int, int, model_lib.ModelConfig]:
+    times, B, T, cfg = train_step_times(c, repeats)
+    return min(times), B, T, cfg
 
 
 def train_mfu(size: str, repeats: int, peak_flops: float) -> dict:
     out = {}
     for name in ("tiny",) if size == "tiny" else ("default", "bench"):
-        seconds, B, T, cfg = train_step_time(bench_config(name), repeats)
+        times, B, T, cfg = train_step_times(bench_config(name), repeats, 0.0 if size == "tiny" else 3.0)
         flops = train_flops(cfg, B, T)
-        out[name] = dict(seconds=seconds, batch=B, tokens=B * T, flops=flops, mfu=flops / seconds / peak_flops)
+        seconds, median = min(times), float(np.median(times))
+        out[name] = dict(seconds=seconds, median_seconds=median, calls=len(times), batch=B, tokens=B * T)
+        out[name].update(flops=flops, mfu=flops / seconds / peak_flops, mfu_median=flops / median / peak_flops)
     return out
 
 
@@ -482,7 +496,10 @@ def main():
     if "train" in sections:
         results["train"] = train_mfu(args.size, repeats, flops)
         for name, r in results["train"].items():
-            print(f"train step [{name}]: {r['seconds'] * 1e3:.1f} ms, MFU {r['mfu']:.1%}")
+            print(
+                f"train step [{name}]: {r['seconds'] * 1e3:.1f} ms, MFU {r['mfu']:.1%} (best of {r['calls']} calls; "
+                f"median {r['median_seconds'] * 1e3:.1f} ms, {r['mfu_median']:.1%})"
+            )
     if "loss" in sections:
         results["loss"] = loss_share(args.size, repeats)
         for name, r in results["loss"]["by_objective"].items():

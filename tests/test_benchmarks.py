@@ -33,6 +33,7 @@ def test_runner_produces_every_figure(tmp_path):
     positive = lambda x: isinstance(x, (int, float)) and math.isfinite(x) and x > 0
     assert positive(res["peak"]["flops_per_s"])
     assert all(positive(v["mfu"]) and positive(v["flops"]) for v in res["train"].values())
+    assert all(v["median_seconds"] >= v["seconds"] and v["mfu_median"] <= v["mfu"] for v in res["train"].values())
     assert set(res["loss"]["by_objective"]) == set(ALGORITHMS)
     assert all(positive(v["share_of_train_step"]) for v in res["loss"]["by_objective"].values())
     assert res["moe"]["rows"] and all(
