@@ -6,8 +6,8 @@ than the main one with a fresh `mmap` every time, and `munmap`s it on free, so e
 its whole temporary space back in 4 KiB at a time (21,600 faults per default step, 328,600 per
 `bench` step). With `glibc.malloc.hugetlb=1` malloc advises transparent huge pages for what it maps:
 2 MiB per fault, and the same bits computed. glibc reads its tunables only when a process starts,
-so an entry point calls `reexec_with_huge_pages()` before it imports JAX, and the test session
-exports the tunable to its worker processes with `huge_pages_environ()`.
+so an entry point (`scripts/train.py`, the benchmarks) calls `reexec_with_huge_pages()` before it
+imports JAX. The tests do not: their time is compilation, which huge pages make no faster.
 """
 
 from __future__ import annotations
