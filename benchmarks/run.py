@@ -74,9 +74,9 @@ def call_times(fn, repeats: int, min_seconds: float = 0.0) -> list[float]:
     return times
 
 
-def best_time(fn, repeats: int, min_seconds: float = 0.0) -> float:
-    """Best wall time of `fn()` over `call_times`."""
-    return min(call_times(fn, repeats, min_seconds))
+def best_time(fn, repeats: int) -> float:
+    """Best wall time of `fn()` over `repeats` calls, after one warm-up call."""
+    return min(call_times(fn, repeats))
 
 
 # ---------------------------------------------------------------------------------------------- peak
