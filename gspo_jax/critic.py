@@ -203,14 +203,9 @@ def update(static: CriticStep, state: CriticState, micro) -> tuple[CriticState, 
     grad_norm = optax.tree.norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
     params = optax.apply_updates(state.params, updates)
-    finite = lambda tree: jax.tree.reduce(lambda ok, x: ok & jnp.all(jnp.isfinite(x)), tree, jnp.array(True))
-    ok = jnp.isfinite(grad_norm) & finite(params) & finite(opt_state)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-    state = CriticState(
-        step=state.step + ok.astype(jnp.int32),
-        params=keep(params, state.params),
-        opt_state=keep(opt_state, state.opt_state),
-    )
+    ok = optimizer_lib.all_finite(grad_norm, params, opt_state)
+    params, opt_state = optimizer_lib.keep_if(ok, (params, opt_state), (state.params, state.opt_state))
+    state = CriticState(step=state.step + ok.astype(jnp.int32), params=params, opt_state=opt_state)
     metrics.update(critic_grad_norm=Mean(grad_norm, 1), critic_skipped=Count((~ok).astype(jnp.float32)))
     return state, metrics
 

@@ -205,14 +205,9 @@ def train_step(
     params = optax.apply_updates(state.params, updates)
     # Skip the update if anything it would write is not finite (the loss and gradient, but also an
     # overflowing optimizer moment or parameter): a run never saves a non-finite state.
-    finite = lambda tree: jax.tree.reduce(lambda ok, x: ok & jnp.all(jnp.isfinite(x)), tree, jnp.array(True))
-    ok = jnp.isfinite(metrics["total_loss"].total) & jnp.isfinite(grad_norm) & finite(params) & finite(opt_state)
-    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
-    state = state.replace(
-        step=state.step + ok.astype(jnp.int32),
-        params=keep(params, state.params),
-        opt_state=keep(opt_state, state.opt_state),
-    )
+    ok = jnp.isfinite(metrics["total_loss"].total) & optimizer_lib.all_finite(grad_norm, params, opt_state)
+    params, opt_state = optimizer_lib.keep_if(ok, (params, opt_state), (state.params, state.opt_state))
+    state = state.replace(step=state.step + ok.astype(jnp.int32), params=params, opt_state=opt_state)
     metrics.update(grad_norm=Mean(grad_norm, 1), skipped=Count((~ok).astype(jnp.float32)))
     if static.critic is not None:  # its own loss, gradient, optimizer and skip; the same micro-batches
         critic_state, critic_metrics = critic_lib.update(static.critic, state.critic, micro)

@@ -16,6 +16,7 @@ import pytest
 
 from gspo_jax import losses, routing, train
 from gspo_jax import model as model_lib
+from gspo_jax import optimizer as optimizer_lib
 from gspo_jax.checkpoint import Checkpointer
 from gspo_jax.config import base_config, build
 from gspo_jax.sharding import mesh_from_config
@@ -285,6 +286,32 @@ def test_on_policy_step_equals_the_step_on_a_scored_batch(algorithm, microbatche
     for k in ("total_loss", "loss", "grad_norm", "clip_frac", "approx_kl"):
         np.testing.assert_allclose(m1[k], m2[k], rtol=1e-5, atol=1e-7, err_msg=k)
     chex.assert_trees_all_close(s1.params, s2.params, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("size", [1, 7, 1000, 4099])  # scalar-like, below and past vector widths
+@pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
+def test_all_finite_is_exactly_every_element_finite(size, bad):
+    """The skip's check, isfinite(sum(x · 0)) per leaf, equals numpy's all(isfinite) wherever the bad
+    value sits, past any vectorised loop's width too; integer leaves are not checked."""
+    check = jax.jit(optimizer_lib.all_finite)
+    rng = np.random.default_rng(size)
+    big = np.float32(3e38)  # finite, and |x| of it too: no overflow on the way
+    for where in sorted({0, size // 2, size - 1}):
+        x = rng.normal(size=size).astype(np.float32)
+        x[rng.integers(size)] = big
+        tree = {"w": x, "count": np.int32(7), "m": (np.zeros((3, 2), np.float32), np.float32(-big))}
+        assert bool(check(tree)) and bool(check(tree["m"], x))
+        x[where] = bad
+        assert not bool(check(tree)) and not bool(check(tree["m"], x)) and not bool(check(x[where : where + 1]))
+    assert bool(check({"count": np.int32(1)}))  # nothing floating: nothing to fail
+
+
+def test_keep_if_returns_one_tree_whole():
+    new = {"a": jnp.arange(3.0), "b": (jnp.ones((2, 2)), jnp.int32(4))}
+    old = jax.tree.map(lambda x: x - 1, new)
+    pick = jax.jit(optimizer_lib.keep_if)
+    chex.assert_trees_all_equal(pick(jnp.array(True), new, old), new)
+    chex.assert_trees_all_equal(pick(jnp.array(False), new, old), old)
 
 
 def test_non_finite_loss_skips_the_update():
