@@ -470,7 +470,11 @@ class Stack(nnx.Module):
             outs = []
             for j in range(self.n):
                 forced = None if forced_nBTK is None else forced_nBTK[j]
-                x_BTD, new_kv, s = one(x_BTD, jax.tree.map(lambda a, j=j: a[j], params), kvs[j], forced)
+                # Behind a barrier, XLA hoists the layer's slice out of the sampler's decode loop (a
+                # slice alone is "not worth hoisting", and XLA:CPU copies it): sliced once per rollout,
+                # not once per generated token (`benchmarks/profile.py --program sampler`).
+                p_j = jax.tree.map(lambda a, j=j: jax.lax.optimization_barrier(a[j]), params)
+                x_BTD, new_kv, s = one(x_BTD, p_j, kvs[j], forced)
                 outs.append((new_kv, s))
             return x_BTD, [kv for kv, _ in outs], stack(*[s for _, s in outs]) if self.is_moe else None
 

@@ -185,11 +185,13 @@ def _for_each_block(layout: BlockLayout, weights: tuple, body, carry):
     """carry = body(i, carry, w, e) for every used block i, in order: e is its expert and w the tuple
     of each [E, ...] array of `weights` at e. With static experts each expert's weights are sliced
     once, before its loop: XLA:CPU neither hoists such a slice out of the loop nor makes it a view,
-    so slicing inside copied the expert's weights for every block (`benchmarks/profile.py`)."""
+    so slicing inside copied the expert's weights for every block (`benchmarks/profile.py`). The
+    slices sit behind a barrier for the same reason one level up: XLA hoists a barrier (never a bare
+    slice) out of an enclosing loop, so a decode step reads loop-invariant weights in place."""
     num_experts = weights[0].shape[0]
     if num_experts <= STATIC_EXPERT_LOOPS:
         for e in range(num_experts):
-            w = tuple(x[e] for x in weights)
+            w = tuple(jax.lax.optimization_barrier(x[e]) for x in weights)
             start = layout.block_end_E[e - 1] if e else 0
             carry = jax.lax.fori_loop(start, layout.block_end_E[e], lambda i, c, w=w, e=e: body(i, c, w, e), carry)
         return carry
