@@ -259,6 +259,7 @@ def build(c: ml_collections.ConfigDict, device_count: int | None = None) -> Buil
         microbatch=batch // (t.minibatches * t.microbatches),
         drift_batch=batch // (t.drift_subsample * chunks),
         warm_start_batch=w.batch_size if w.steps else 0,  # 0: no warm start, nothing to split
+        sampler_threads=rollout_cfg.sampler_threads,
         devices=jax.device_count() if device_count is None else device_count,
         num_experts={key: m.num_experts for key, m in experts if m.num_moe_layers},
     )
@@ -334,6 +335,7 @@ def _check_mesh(
     microbatch: int,
     drift_batch: int,
     warm_start_batch: int,
+    sampler_threads: int = 1,
     devices: int,
     num_experts: dict[str, int],
 ) -> None:
@@ -352,6 +354,9 @@ def _check_mesh(
         f"there are {n} devices",
     )
     sizes = {k: (n // known if v == -1 else v) for k, v in sizes.items()}
+    on = math.prod(sizes.values())
+    allowed = f"1 on a mesh of {on} devices (threads split the batch on one device)"
+    check(sampler_threads <= 1 or on == 1, "config", "rollout.sampler_threads", sampler_threads, allowed)
     data = sizes["data"] * sizes["fsdp"] * sizes["expert"]  # sharding.DATA_AXES
     for what, size in (
         ("num_groups×group_size", batch),

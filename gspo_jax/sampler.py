@@ -11,6 +11,7 @@ id. Shape letters: `gspo_jax/__init__.py`.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import functools
 from collections.abc import Sequence
@@ -245,7 +246,10 @@ class Sampler:
     `sampler(state, prompts, prompt_mask, key, temperature=, top_k=, top_p=, eos_ids=, pad_id=)`
     -> SampleOutput. The KV cache is allocated once, donated to each call and handed back by it. With
     a mesh, the batch is sharded over its data axes and the parameters by the
-    logical rules of `gspo_jax.sharding`.
+    logical rules of `gspo_jax.sharding`. With `threads` > 1 (one device only) the batch is generated
+    as that many equal slices at once, one host thread each, by one compiled program: XLA:CPU runs a
+    decode step's small ops on one core, so slices use the others. Slice i draws from
+    `fold_in(key, i)`: the thread count is part of what a key gives.
     """
 
     def __init__(
@@ -259,16 +263,23 @@ class Sampler:
         max_top_k: int = 64,
         mesh=None,
         state=None,
+        threads: int = 1,
     ):
         for name, v in (
             ("batch_size", batch_size),
             ("prompt_len", prompt_len),
             ("max_new_tokens", max_new_tokens),
             ("max_top_k", max_top_k),
+            ("threads", threads),
         ):
             check_int("Sampler", name, v, low=1)
         if mesh is not None and state is None:
             raise ValueError("Sampler: pass `state` (or its abstract version) together with `mesh`")
+        check(batch_size % threads == 0, "Sampler", "threads", threads, f"a divisor of batch_size={batch_size}")
+        devices = 1 if mesh is None else mesh.devices.size
+        check(threads == 1 or devices == 1, "Sampler", "threads", threads, f"1 on a mesh of {devices} devices")
+        self.threads, self._rows = threads, batch_size // threads
+        self._pool = concurrent.futures.ThreadPoolExecutor(threads) if threads > 1 else None
         self.model_cfg, self.batch_size = model_cfg, batch_size
         self.prompt_len, self.max_new_tokens = prompt_len, max_new_tokens
         self.max_top_k = min(max_top_k, model_cfg.vocab_size)
@@ -278,7 +289,7 @@ class Sampler:
         self._static = (graphdef, max_new_tokens, self.max_top_k)
         if mesh is None:
             self._fn = jax.jit(_generate, static_argnums=(0, 1, 2), donate_argnums=(4,))
-            self._cache_sharding = self._in_shardings = None
+            self._cache_sharding = self._in_shardings = self._out_shardings = None
         else:
             state_sh = sharding_lib.param_shardings(mesh, state)
             b1, b2 = sharding_lib.batch_sharding(mesh, 1), sharding_lib.batch_sharding(mesh, 2)
@@ -289,6 +300,7 @@ class Sampler:
                 tokens=b2, prompt_mask=b2, completion_mask=b2, logp=b2, lengths=b1, truncated=b1, topk=b4
             )
             self._in_shardings = (state_sh, self._cache_sharding, b2, b2, rep, rep, rep, rep, rep, rep)
+            self._out_shardings = out_sh
             self._fn = jax.jit(
                 sharding_lib.under_mesh(_generate, mesh),
                 static_argnums=(0, 1, 2),
@@ -296,20 +308,20 @@ class Sampler:
                 in_shardings=self._in_shardings,
                 out_shardings=(out_sh, self._cache_sharding),
             )
-        self._cache = None  # allocated on first use, then donated and handed back by every call
+        self._caches = [None] * threads  # allocated on first use, then donated and handed back by every call
 
     def batch_sharding(self, ndim: int):
         """How a [B, ...] array of `ndim` dimensions is split over the mesh (None without one)."""
         return None if self.mesh is None else sharding_lib.batch_sharding(self.mesh, ndim)
 
     def _new_cache(self):
-        return model_lib.init_cache(self.model_cfg, self.batch_size, self.prompt_len + self.max_new_tokens)
+        return model_lib.init_cache(self.model_cfg, self._rows, self.prompt_len + self.max_new_tokens)
 
     def lower(self, state):
         """The generation program lowered for abstract `state` (ShapeDtypeStructs with shardings), with
         nothing allocated: what `scripts/aot_compile.py` compiles for a TPU slice without one."""
         check(self.mesh is not None, "Sampler", "mesh", None, "a mesh to lower for")
-        B, P = self.batch_size, self.prompt_len
+        B, P = self._rows, self.prompt_len  # a slice's (the batch, with one thread)
         shaped = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
         i32, f32 = jnp.int32, jnp.float32
         args = (
@@ -345,27 +357,33 @@ class Sampler:
         check(len(eos_ids) <= MAX_EOS_IDS, "Sampler", "eos_ids", eos_ids, f"at most {MAX_EOS_IDS} ids")
         eos[: len(eos_ids)] = eos_ids
         check(int(top_k) <= self.max_top_k, "Sampler", "top_k", top_k, f"<= max_top_k={self.max_top_k} (static)")
-        if self._cache is None:
-            self._cache = self._new_cache()
-            if self._cache_sharding is not None:
-                self._cache = jax.device_put(self._cache, self._cache_sharding)
-        cache, self._cache = self._cache, None  # donated: unusable after the call
-        args = (
-            state,
-            cache,
-            jnp.asarray(prompts, jnp.int32),
-            jnp.asarray(prompt_mask, bool),
-            key,
-            jnp.float32(temperature),
-            jnp.int32(top_k),
-            jnp.float32(top_p),
-            jnp.asarray(eos),
-            jnp.int32(pad_id),
+        shared = (jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p), jnp.asarray(eos), jnp.int32(pad_id))
+        prompts, prompt_mask = jnp.asarray(prompts, jnp.int32), jnp.asarray(prompt_mask, bool)
+        if self.threads == 1:
+            return self._slice(0, state, prompts, prompt_mask, key, shared)
+        r = self._rows
+        run = lambda i: jax.block_until_ready(
+            self._slice(i, state, prompts[i * r : (i + 1) * r], prompt_mask[i * r : (i + 1) * r], key, shared)
         )
+        first = [run(0)] if self._caches[0] is None else []  # compiles once, before the threads share it
+        outs = first + list(self._pool.map(run, range(len(first), self.threads)))
+        out = jax.tree.map(lambda *xs: jnp.concatenate(xs), *outs)
+        return out if self._out_shardings is None else jax.device_put(out, self._out_shardings)
+
+    def _slice(self, i: int, state, prompts, prompt_mask, key, shared) -> SampleOutput:
+        """Generates slice i of the batch (all of it with one thread), with its own donated cache."""
+        if self._caches[i] is None:
+            self._caches[i] = self._new_cache()
+            if self._cache_sharding is not None:
+                self._caches[i] = jax.device_put(self._caches[i], self._cache_sharding)
+        cache, self._caches[i] = self._caches[i], None  # donated: unusable after the call
+        if self.threads > 1:
+            key = jax.random.fold_in(key, i)
+        args = (state, cache, prompts, prompt_mask, key, *shared)
         if self._in_shardings is not None:
             # Arrays on a mesh carry it in their type: placing every argument the same way on every
             # call (a fresh key, a restored parameter) is what keeps this at one compile.
             key = multihost.replicated(key, self.mesh)  # a typed key cannot be device_put across processes
             args = jax.device_put((*args[:4], key, *args[5:]), self._in_shardings)
-        out, self._cache = self._fn(*self._static, *args)
+        out, self._caches[i] = self._fn(*self._static, *args)
         return out

@@ -558,7 +558,14 @@ def _run(config, built: config_lib.Built, workdir: Path, *, progress: bool, log_
         sampler_model = dataclasses.replace(built.model, dtype=built.rollout.dtype)
         sampler_graphdef = model_lib.abstract_model(sampler_model)[0]
     sampler = Sampler(
-        sampler_graphdef, sampler_model, batch_size, config.prompt_len, config.max_new_tokens, mesh=mesh, state=params
+        sampler_graphdef,
+        sampler_model,
+        batch_size,
+        config.prompt_len,
+        config.max_new_tokens,
+        mesh=mesh,
+        state=params,
+        threads=built.rollout.threads(mesh.devices.size),
     )
     rollout = Rollout(sampler, built.task, load_tokenizer(config.tokenizer_path or None), built.rollout)
     evaluation = functools.partial(evaluate, rollout, seed=config.seed + 1, num_batches=t.eval_batches)

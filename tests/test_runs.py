@@ -75,6 +75,8 @@ def rows(path: Path) -> list[int]:
         ("model.batch_chunks", 3, "batch_chunks"),  # not a divisor of the batch of 8
         ("model.batch_chunks", 0, "batch_chunks"),
         ("model.logprob_chunk", -1, "logprob_chunk"),
+        ("rollout.sampler_threads", 3, "sampler_threads"),  # not a divisor of the batch of 8
+        ("rollout.sampler_threads", -1, "sampler_threads"),
     ],
 )
 def test_values_that_cannot_work_are_refused_at_build_naming_the_key(key, value, field):
@@ -110,6 +112,23 @@ def test_mesh_data_axes_must_divide_every_batch():
     c.model.num_experts = 6  # 6 experts do not split over 4 expert shards
     with pytest.raises(ConfigError, match=r"mesh.expert=4 .*a divisor of model.num_experts=6"):
         build(c)
+
+
+def test_sampler_threads_are_resolved_from_the_mesh_and_refused_beside_a_bigger_one():
+    c = base_config("gspo", "tiny")  # 8 completions, sampler_threads 0: two on one device
+    assert c.rollout.sampler_threads == 0 and build(c).rollout.threads(devices=1) == 2
+    assert build(c).rollout.threads(devices=4) == 1
+    c.rollout.update(num_groups=3, group_size=3)  # an odd batch: not split
+    c.train.minibatches = 1
+    assert build(c).rollout.threads(devices=1) == 1
+    c = base_config("gspo", "tiny")
+    c.rollout.sampler_threads = 4
+    assert build(c).rollout.threads(devices=1) == 4
+    c.mesh.fsdp = 2
+    with pytest.raises(ConfigError, match=r"rollout.sampler_threads=4 .*1 on a mesh of 2 devices"):
+        build(c)
+    c.rollout.sampler_threads = 0
+    build(c)
 
 
 # ------------------------------------------------------------------ the CLI: one line, workdir untouched

@@ -12,8 +12,8 @@ import pytest
 from absl.testing import parameterized
 from flax import nnx
 
+from gspo_jax import compiles, sharding
 from gspo_jax import model as model_lib
-from gspo_jax import sharding
 from gspo_jax.losses import sequence_logprobs
 from gspo_jax.sampler import Sampler, left_pad, sample_logits
 
@@ -148,7 +148,35 @@ def test_prefill_in_batch_chunks_changes_nothing(setup):
         np.testing.assert_array_equal(a.tokens, b.tokens)
         np.testing.assert_allclose(a.logp, b.logp, rtol=1e-6, atol=1e-6)
         np.testing.assert_array_equal(a.topk, b.topk)
-    chex.assert_trees_all_close(one._cache, two._cache, rtol=1e-6, atol=1e-6)
+    chex.assert_trees_all_close(one._caches, two._caches, rtol=1e-6, atol=1e-6)
+
+
+def test_threads_generate_the_slices_each_with_its_own_stream(setup):
+    """threads=2: slice i of the batch is exactly what a one-thread sampler of half the batch draws
+    from fold_in(key, i), made by one compiled program that later calls reuse."""
+    cfg, graphdef, state, tokens, mask, _, _ = setup
+    two = Sampler(graphdef, cfg, B, P, N, max_top_k=16, threads=2)
+    half = Sampler(graphdef, cfg, B // 2, P, N, max_top_k=16)
+    key = jax.random.key(3)
+    out = two(state, tokens, mask, key, temperature=1.0, eos_ids=(5,))
+    counter = compiles.CompileCounter()
+    again = two(state, tokens, mask, key, temperature=1.0, eos_ids=(5,))
+    assert counter.count == 0
+    chex.assert_trees_all_equal(again, out)
+    for i, rows in enumerate((slice(0, B // 2), slice(B // 2, B))):
+        ref = half(state, tokens[rows], mask[rows], jax.random.fold_in(key, i), temperature=1.0, eos_ids=(5,))
+        chex.assert_trees_all_equal(jax.tree.map(lambda x, r=rows: x[r], out), ref)
+    whole = Sampler(graphdef, cfg, B, P, N, max_top_k=16)(state, tokens, mask, key, temperature=1.0, eos_ids=(5,))
+    assert not np.array_equal(whole.tokens, out.tokens)  # the streams differ from one thread's
+
+
+def test_threads_must_split_the_batch_on_one_device(setup):
+    cfg, graphdef, state, *_ = setup
+    with pytest.raises(ValueError, match=r"Sampler.threads=3 .*a divisor of batch_size=4"):
+        Sampler(graphdef, cfg, B, P, N, threads=3)
+    mesh = sharding.make_mesh(data=2, fsdp=1, expert=1, tensor=1, devices=jax.devices()[:2])  # conftest: 8
+    with pytest.raises(ValueError, match=r"Sampler.threads=2 .*1 on a mesh of 2 devices"):
+        Sampler(graphdef, cfg, B, P, N, mesh=mesh, state=state, threads=2)
 
 
 # ------------------------------------------------------------------ the sampling distribution
