@@ -55,6 +55,7 @@ from gspo_jax.algorithms import ALGORITHMS
 from gspo_jax.config import base_config, build
 from gspo_jax.flops import matmul_params, train_flops
 from gspo_jax.host_memory import reexec_with_huge_pages
+from gspo_jax.rollout import RolloutConfig
 from gspo_jax.sampler import Sampler, left_pad, sample_logits
 from gspo_jax.sharding import make_mesh, mesh_from_config, under_mesh
 
@@ -274,9 +275,9 @@ def sampler_throughput(size: str, repeats: int, peak_flops: float) -> dict:
     rng = np.random.default_rng(0)
     t, k, p = jnp.float32(1.0), jnp.int32(0), jnp.float32(1.0)
 
-    def run(batch: int) -> float:
+    def run(batch: int, threads: int = 1) -> float:
         prompts, mask = left_pad([rng.integers(4, cfg.vocab_size, P) for _ in range(batch)], P)
-        sampler = Sampler(graphdef, cfg, batch, P, C)
+        sampler = Sampler(graphdef, cfg, batch, P, C, threads=threads)
         key = jax.random.key(0)  # no EOS: every row generates C tokens
         return best_time(lambda: sampler(state, prompts, mask, key, temperature=t, top_k=k, top_p=p).tokens, repeats)
 
@@ -287,6 +288,9 @@ def sampler_throughput(size: str, repeats: int, peak_flops: float) -> dict:
         seconds = run(b)
         tps = b * C / seconds
         scaling.append(dict(batch=b, seconds=seconds, tokens_per_s=tps, decode_mfu=tps * flops_per_token / peak_flops))
+    # As the trainer samples on one device: the batch in `rollout.sampler_threads` slices at once.
+    threads = RolloutConfig(num_groups=1, group_size=2).threads(devices=1)
+    threaded = [dict(batch=b, tokens_per_s=b * C / run(b, threads)) for b in batches[-3:-1]]
     B = 16 if size == "tiny" else 64
     prompts, mask = left_pad([rng.integers(4, cfg.vocab_size, P) for _ in range(B)], P)
     naive = naive_decoder(graphdef, P, C, 64)
@@ -301,6 +305,8 @@ def sampler_throughput(size: str, repeats: int, peak_flops: float) -> dict:
         speedup_vs_naive=naive_seconds / fast["seconds"],
         decode_mfu=fast["decode_mfu"],
         by_batch=scaling,
+        threads=threads,
+        by_batch_threaded=threaded,
     )
 
 
@@ -527,6 +533,8 @@ def main():
             f"sampler batch {s['batch']}: {s['tokens_per_s']:,.0f} tokens/s, {s['speedup_vs_naive']:.1f}x naive, "
             f"decode MFU {s['decode_mfu']:.1%}; by batch: "
             + ", ".join(f"{r['batch']}: {r['tokens_per_s']:,.0f}" for r in s["by_batch"])
+            + f"; with {s['threads']} threads (the trainer's): "
+            + ", ".join(f"{r['batch']}: {r['tokens_per_s']:,.0f}" for r in s["by_batch_threaded"])
         )
     if "iteration" in sections:
         results["iteration"] = it = iteration(args.size, repeats)

@@ -44,6 +44,8 @@ def test_runner_produces_every_figure(tmp_path):
     s = res["sampler"]
     assert positive(s["tokens_per_s"]) and positive(s["speedup_vs_naive"]) and positive(s["decode_mfu"])
     assert [r["batch"] for r in s["by_batch"]] == [8, 16]
+    assert s["threads"] == 2 and [r["batch"] for r in s["by_batch_threaded"]] == [8]  # tiny: batches 8, 16
+    assert all(positive(r["tokens_per_s"]) for r in s["by_batch_threaded"])
     cache = res["iteration"].pop("compilation_cache")
     assert positive(cache["seconds_to_first_iteration_cold"]) and positive(cache["seconds_to_first_iteration_warm"])
     assert set(res["iteration"]) == {"drift_on", "drift_every_4th", "drift_off"}
