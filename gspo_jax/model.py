@@ -325,6 +325,12 @@ def attention_mask(q_pos_BT, k_pos_BS, q_slot_T, k_slot_S) -> jax.Array:
     )
 
 
+def write_kv(cache_BJSW: jax.Array, x_BTJW: jax.Array, index: jax.Array) -> jax.Array:
+    """A chunk's keys (or values) written into a layer's cache at slots index..index+T-1."""
+    x_BJTW = x_BTJW.transpose(0, 2, 1, 3).astype(cache_BJSW.dtype)
+    return jax.lax.dynamic_update_slice_in_dim(cache_BJSW, x_BJTW, index, axis=2)
+
+
 class Attention(nnx.Module):
     """Grouped-query self-attention with optional per-head q/k RMSNorm (before RoPE, as Qwen3)."""
 
@@ -339,10 +345,11 @@ class Attention(nnx.Module):
             self.q_norm = RMSNorm(W, cfg.rms_eps, param_dtype=pd, rngs=rngs)
             self.k_norm = RMSNorm(W, cfg.rms_eps, param_dtype=pd, rngs=rngs)
 
-    def __call__(self, x_BTD, positions_BT, rope, kv=None):
-        """`rope`: the forward's `rope_table`. kv=None: attend within the chunk. kv=(k_BJSW, v_BJSW,
-        key_pos_BS, index), this layer's cache: write this chunk's keys/values at slots index..,
-        attend over all S slots, return the new (k_BJSW, v_BJSW)."""
+    def __call__(self, x_BTD, positions_BT, rope, kv=None, return_kv=False):
+        """`rope`: the forward's `rope_table`. kv=None: attend within the chunk (and with `return_kv`
+        return its keys/values (k_BTJW, v_BTJW)). kv=(k_BJSW, v_BJSW, key_pos_BS, index), this layer's
+        cache: write this chunk's keys/values at slots index.., attend over all S slots, return the
+        new (k_BJSW, v_BJSW)."""
         cfg, dtype = self.cfg, x_BTD.dtype
         B, T, _ = x_BTD.shape
         q_BTHW = jnp.einsum("btd,dhw->bthw", x_BTD, self.q_proj[...].astype(dtype))
@@ -355,14 +362,12 @@ class Attention(nnx.Module):
         Q = cfg.num_heads // cfg.num_kv_heads
         q_BTJQW = q_BTHW.reshape(B, T, cfg.num_kv_heads, Q, cfg.head_dim)
         if kv is None:
-            keys, vals, key_pos_BS, k_slot_S, new_kv = k_BTJW, v_BTJW, positions_BT, q_slot_T, None
+            keys, vals, key_pos_BS, k_slot_S = k_BTJW, v_BTJW, positions_BT, q_slot_T
+            new_kv = (k_BTJW, v_BTJW) if return_kv else None
             kv_axes = "bsjw"  # the axes of `keys` and `vals`
         else:
             k_BJSW, v_BJSW, key_pos_BS, index = kv
-            write = lambda cache_BJSW, x_BTJW: jax.lax.dynamic_update_slice_in_dim(
-                cache_BJSW, x_BTJW.transpose(0, 2, 1, 3).astype(cache_BJSW.dtype), index, axis=2
-            )
-            k_BJSW, v_BJSW = write(k_BJSW, k_BTJW), write(v_BJSW, v_BTJW)
+            k_BJSW, v_BJSW = write_kv(k_BJSW, k_BTJW, index), write_kv(v_BJSW, v_BTJW, index)
             keys, vals = k_BJSW.astype(dtype), v_BJSW.astype(dtype)
             k_slot_S = jnp.arange(k_BJSW.shape[2], dtype=jnp.int32)
             q_slot_T = q_slot_T + index
@@ -423,10 +428,10 @@ class Block(nnx.Module):
         else:
             self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, param_dtype=pd, rngs=rngs)
 
-    def __call__(self, x_BTD, positions_BT, rope, kv=None, forced_topk_BTK=None):
-        """Returns (x, new_kv, router stats or None)."""
+    def __call__(self, x_BTD, positions_BT, rope, kv=None, forced_topk_BTK=None, return_kv=False):
+        """Returns (x, new_kv, router stats or None); see `Attention` for `kv` and `return_kv`."""
         x_BTD = sharding.constrain(x_BTD, ACTIVATION)
-        h_BTD, new_kv = self.self_attn(self.input_layernorm(x_BTD), positions_BT, rope, kv)
+        h_BTD, new_kv = self.self_attn(self.input_layernorm(x_BTD), positions_BT, rope, kv, return_kv)
         x_BTD = x_BTD + h_BTD
         h_BTD = self.post_attention_layernorm(x_BTD)
         if self.is_moe:
@@ -440,8 +445,9 @@ class Stack(nnx.Module):
     """`n` consecutive Blocks of one kind, each parameter stacked on a leading "layers" axis.
 
     Without a KV cache the layers run as one `lax.scan` (or the same scan unrolled, `scan_layers`),
-    with the configured remat policy; with one (sampling) they run as a loop over static slices of
-    the stack, so each layer's cache is updated in place."""
+    with the configured remat policy, and with `return_kv` return each layer's keys and values too (a
+    prefill into an empty cache: one layer to compile, not n). With a cache (decoding) they run as
+    a loop over static slices of the stack, so each layer's cache is updated in place."""
 
     def __init__(self, cfg: ModelConfig, first: int, n: int, *, rngs: nnx.Rngs):
         self.cfg, self.n, self.is_moe = cfg, n, cfg.is_moe_layer(first)
@@ -455,12 +461,12 @@ class Stack(nnx.Module):
 
         self.layer = build(rngs)
 
-    def __call__(self, x_BTD, positions_BT, rope, kvs=None, forced_nBTK=None, router_logits=False):
+    def __call__(self, x_BTD, positions_BT, rope, kvs=None, forced_nBTK=None, router_logits=False, return_kv=False):
         """Returns (x, new per-layer kvs or None, router stats stacked over the n layers or None)."""
         graphdef, params = nnx.split(self.layer)
 
         def one(x_BTD, p, kv, forced_BTK):
-            x_BTD, new_kv, s = nnx.merge(graphdef, p)(x_BTD, positions_BT, rope, kv, forced_BTK)
+            x_BTD, new_kv, s = nnx.merge(graphdef, p)(x_BTD, positions_BT, rope, kv, forced_BTK, return_kv)
             if s is not None:
                 s = s._replace(logits_BTE=s.logits_BTE if router_logits else None)
             return x_BTD, new_kv, s
@@ -479,15 +485,16 @@ class Stack(nnx.Module):
             return x_BTD, [kv for kv, _ in outs], stack(*[s for _, s in outs]) if self.is_moe else None
 
         def body(x_BTD, xs):
-            x_BTD, _, s = one(x_BTD, *xs)
-            return x_BTD, s
+            x_BTD, kv, s = one(x_BTD, *xs)
+            return x_BTD, (kv, s)
 
         policy = REMAT_POLICIES[self.cfg.remat]
         if self.cfg.remat != "none":
             body = jax.checkpoint(body, policy=policy, prevent_cse=False)
         unroll = 1 if self.cfg.scan_layers else self.n
-        x_BTD, stats = jax.lax.scan(body, x_BTD, (params, None, forced_nBTK), unroll=unroll)
-        return x_BTD, None, stats
+        x_BTD, (kv_n, stats) = jax.lax.scan(body, x_BTD, (params, None, forced_nBTK), unroll=unroll)
+        kvs = [jax.tree.map(lambda a, j=j: a[j], kv_n) for j in range(self.n)] if return_kv else None
+        return x_BTD, kvs, stats
 
 
 class Transformer(nnx.Module):
@@ -535,8 +542,12 @@ class Transformer(nnx.Module):
         cache: KVCache | None = None,
         forced_topk: jax.Array | None = None,
         return_router_logits: bool = False,
+        empty_cache: bool = False,
     ) -> tuple[jax.Array, ModelAux]:
-        """The final (normed) hidden states [B, T, D] before the LM head, and `ModelAux`."""
+        """The final (normed) hidden states [B, T, D] before the LM head, and `ModelAux`. `empty_cache`:
+        the cache holds nothing to attend to (a sampler's prefill: every slot's position is -1), so
+        the chunk attends within itself and the layers run as the cache-free scan, each layer's
+        keys/values written into its cache afterwards: the same result, one layer compiled per stack."""
         cfg, dtype = self.cfg, self.cfg.jnp_dtype
         chex.assert_rank(tokens_BT, 2, custom_message="tokens must be [B, T]")
         B, T = tokens_BT.shape
@@ -554,12 +565,18 @@ class Transformer(nnx.Module):
         stats, moe_seen = [], 0  # stats: per MoE stack, RouterOutput stacked [n, ...]
         for stack, (first, n) in zip(self.stacks, cfg.layer_runs):
             kvs = None
-            if cache is not None:
+            if cache is not None and not empty_cache:
                 kvs = [(cache.k[i], cache.v[i], key_pos_BS, index) for i in range(first, first + n)]
             forced = None
             if forced_topk is not None and stack.is_moe:
                 forced = forced_topk[:, moe_seen : moe_seen + n].transpose(1, 0, 2, 3)
-            x_BTD, kvs, s = stack(x_BTD, positions_BT, rope, kvs, forced, return_router_logits)
+            fill = cache is not None and empty_cache
+            x_BTD, kvs, s = stack(x_BTD, positions_BT, rope, kvs, forced, return_router_logits, return_kv=fill)
+            if fill:  # this chunk's keys/values [B, T, J, W] into each layer's cache at `index`
+                kvs = [
+                    (write_kv(cache.k[i], k, index), write_kv(cache.v[i], v, index))
+                    for i, (k, v) in enumerate(kvs, first)
+                ]
             if cache is not None:
                 new_k += [k for k, _ in kvs]
                 new_v += [v for _, v in kvs]

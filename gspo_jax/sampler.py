@@ -196,10 +196,12 @@ def _prefill(model, prompt_BP, pos_BP, cache: model_lib.KVCache):
     """The prompts through the model into the cache: (the next token's float32 logits [B, V], the
     prompts' router top-k [B, L, P, K], the cache). Only the last position's logits are computed, and
     the batch runs in `ModelConfig.batch_chunks` strided pieces one after another (piece i: rows i,
-    i + n, ...; each spread over the batch's devices), written into the cache in place."""
+    i + n, ...; each spread over the batch's devices), written into the cache in place. The cache
+    must be empty (every slot's position -1): the prompts attend within themselves, the layers run
+    as scans (`Transformer.hidden`'s `empty_cache`)."""
     n = model.cfg.batch_chunks
     if n == 1:
-        x_BPD, aux = model.hidden(prompt_BP, pos_BP, cache=cache)
+        x_BPD, aux = model.hidden(prompt_BP, pos_BP, cache=cache, empty_cache=True)
         return model.logits(x_BPD[:, -1:])[:, 0], aux.topk, aux.cache
     B = prompt_BP.shape[0]
     view = lambda a: a.reshape(B // n, n, *a.shape[1:])  # piece i is view(a)[:, i]; no copy
@@ -215,7 +217,7 @@ def _prefill(model, prompt_BP, pos_BP, cache: model_lib.KVCache):
             positions=piece(positions, i),
             index=cache.index,
         )
-        x_bPD, aux = model.hidden(piece(prompt, i), piece(pos, i), cache=part)
+        x_bPD, aux = model.hidden(piece(prompt, i), piece(pos, i), cache=part, empty_cache=True)
         c = aux.cache
         return (
             tuple(put(x, y, i) for x, y in zip(k, c.k)),

@@ -620,6 +620,43 @@ class TestKVCache(chex.TestCase):
         assert cache.k[0].shape == (B, cfg.num_kv_heads, S, cfg.head_dim)
 
 
+def test_prefill_into_an_empty_cache_equals_the_cache_path():
+    """`hidden(..., empty_cache=True)` (the layers as scans, attending within the prompt) writes the
+    same keys/values and gives the same hidden states and routing as the per-layer cache path, and
+    leaves the cache's stale slots (positions -1) as they were."""
+    cfg, graphdef, state = tiny_model()
+    P, S = 6, 10
+    tokens = random_tokens(5, (B, P))
+    mask = jnp.ones((B, P), bool).at[1, :3].set(False)  # a left-padded prompt
+    positions = model_lib.positions_from_mask(mask)
+    stale = jax.random.normal(jax.random.key(1), (B, cfg.num_kv_heads, S, cfg.head_dim))
+    empty = model_lib.init_cache(cfg, B, S)
+    empty = dataclasses.replace(
+        empty, k=tuple(stale + i for i in range(cfg.num_layers)), v=(stale * 2,) * cfg.num_layers
+    )
+
+    @functools.partial(jax.jit, static_argnums=0)
+    def prefill(scan, cache):
+        return nnx.merge(graphdef, state).hidden(tokens, positions, cache=cache, empty_cache=scan)
+
+    x_ref, aux_ref = prefill(False, empty)
+    x, aux = prefill(True, empty)
+    # One layer body per stack in the program (tiny: a dense stack of 1 and a MoE stack of 2 layers).
+    dots = lambda scan: prefill.lower(scan, empty).as_text().count("dot_general")
+    assert dots(True) < dots(False)
+    real = np.asarray(mask)
+    np.testing.assert_allclose(x[real], x_ref[real], atol=1e-5, rtol=1e-5)
+    np.testing.assert_array_equal(aux.topk.transpose(0, 2, 1, 3)[real], aux_ref.topk.transpose(0, 2, 1, 3)[real])
+    assert int(aux.cache.index) == P and (aux.cache.positions == aux_ref.cache.positions).all()
+    for i in range(cfg.num_layers):
+        for new, ref, old in (
+            (aux.cache.k[i], aux_ref.cache.k[i], empty.k[i]),
+            (aux.cache.v[i], aux_ref.cache.v[i], empty.v[i]),
+        ):
+            np.testing.assert_allclose(new[:, :, :P], ref[:, :, :P], atol=1e-5, rtol=1e-5)
+            np.testing.assert_array_equal(new[:, :, P:], old[:, :, P:])
+
+
 def test_cache_pytree_roundtrip():
     cfg = model_lib.get_config("tiny")
     cache = model_lib.init_cache(cfg, 2, 4)
