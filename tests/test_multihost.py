@@ -30,6 +30,10 @@ OVERRIDES = (
     "--config.mesh.data=8",
     "--config.rollout.num_groups=4",  # 16 sequences: minibatches of 8 split over the 8 devices
     f"--config.train.num_iterations={ITERATIONS}",
+    # One stack of 2 MoE layers instead of the tiny preset's dense + MoE stacks: the same multi-process
+    # paths, less for each of the runs' processes to compile.
+    "--config.model.num_layers=2",
+    "--config.model.dense_layers=()",
 )
 
 
