@@ -31,9 +31,20 @@ if os.environ.get("CI"):
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
-# The slowest modules (end-to-end runs in child processes), scheduled first: each xdist worker takes
-# whole modules in this order, so no worker is left with a long one at the end (pytest.ini).
-SLOWEST_FIRST = ("test_benchmarks.py", "test_multihost.py", "test_critic.py", "test_runs.py")
+# The slowest modules, longest first (end-to-end runs in child processes, then the step and model
+# tests; `pytest --durations=0` per module): each xdist worker takes whole modules (and classes) in
+# this order, so no worker is left with a long one at the end (pytest.ini). test_train (~210 s) used
+# to come last alphabetically and left one worker ~200 s behind the other.
+SLOWEST_FIRST = (
+    "test_benchmarks.py",
+    "test_multihost.py",
+    "test_train.py",
+    "test_critic.py",
+    "test_runs.py",
+    "test_model.py",
+    "test_aot.py",
+    "test_losses.py",
+)
 MAX_WORKERS = 4  # a worker holds up to ~4 GB (compiled programs of a module, fake 8-device arrays)
 
 
