@@ -201,10 +201,7 @@ def update(static: CriticStep, state: CriticState, micro) -> tuple[CriticState, 
     grads, stacked = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, state.params), micro)
     metrics = metrics_lib.reduce(stacked)
     grad_norm = optax.tree.norm(grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    ok = optimizer_lib.all_finite(grad_norm, params, opt_state)
-    params, opt_state = optimizer_lib.keep_if(ok, (params, opt_state), (state.params, state.opt_state))
+    params, opt_state, ok = optimizer_lib.apply_if_finite(tx, grads, grad_norm, state.opt_state, state.params)
     state = CriticState(step=state.step + ok.astype(jnp.int32), params=params, opt_state=opt_state)
     metrics.update(critic_grad_norm=Mean(grad_norm, 1), critic_skipped=Count((~ok).astype(jnp.float32)))
     return state, metrics

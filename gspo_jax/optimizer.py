@@ -46,8 +46,22 @@ class OptimizerConfig:
         return cls(**{k: section[k] for k in names if k in section}, owner=owner)
 
 
+def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+    """optax's `clip_by_global_norm`, the same arithmetic and the same (empty) state, but it takes the
+    norm as `grad_norm=` when the caller already has it: the train step computes it for its metrics,
+    and re-reading every gradient for it again costs a pass over all of them."""
+
+    def update(updates, state, params=None, *, grad_norm=None, **extra_args):
+        del params, extra_args
+        norm = optax.tree.norm(updates) if grad_norm is None else grad_norm
+        keep = norm < max_norm
+        return jax.tree.map(lambda t: jax.lax.select(keep, t, (t / norm.astype(t.dtype)) * max_norm), updates), state
+
+    return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
+
+
 @functools.cache
-def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformation:
+def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformationExtraArgs:
     """AdamW with linear warmup then cosine decay to end_lr_factor·lr over `total_steps` updates.
 
     Cached: equal configs give the same (stateless) transformation, so functions jitted with it as a
@@ -61,8 +75,8 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTran
     )
     adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay)
     if cfg.max_grad_norm > 0:
-        return optax.chain(optax.clip_by_global_norm(cfg.max_grad_norm), adamw)
-    return adamw
+        return optax.chain(clip_by_global_norm(cfg.max_grad_norm), adamw)
+    return optax.with_extra_args_support(adamw)
 
 
 def state_shardings(tx: optax.GradientTransformation, params, param_shardings, mesh):
@@ -79,13 +93,43 @@ def all_finite(*trees) -> jax.Array:
     """True iff every element of every floating-point leaf is finite. Per leaf as isfinite(sum(x · 0)):
     x · 0 is NaN exactly where x is NaN or infinite, and a sum propagates NaN on every code path (a
     max does not: XLA:CPU's vectorised max can drop it). XLA:CPU compiles that float reduction
-    several times faster than an `all` over booleans, and a train step checks every parameter and
-    moment."""
+    several times faster than an `all` over booleans."""
     leaves = [x for t in trees for x in jax.tree.leaves(t) if jnp.issubdtype(x.dtype, jnp.inexact)]
     return functools.reduce(jnp.logical_and, [jnp.isfinite(jnp.sum(x * 0)) for x in leaves], True)
 
 
-def keep_if(ok: jax.Array, new, old):
-    """`new` where the scalar `ok` holds, else `old` (trees of one structure): one conditional over
-    whole trees, not a select per leaf, so the same values with fewer kernels to compile."""
-    return jax.lax.cond(ok, lambda: new, lambda: old)
+def _finite_per_parameter(params, opt_state) -> jax.Array:
+    """`all_finite(params, opt_state)` as one boolean reduction per parameter over it and its moments
+    (the subtrees of `opt_state` shaped like `params`): XLA fuses the update into it, so it reads each
+    input once and writes nothing. (A float sum here, like `all_finite`'s, becomes a YNNPACK fusion
+    that first writes every broadcast scalar out as a full array: the update 3× slower on `bench`.)"""
+    treedef = jax.tree.structure(params)
+    like = lambda x: jax.tree.structure(x) == treedef
+    subtrees = [t for t in jax.tree.leaves(opt_state, is_leaf=like) if like(t)]
+    rest = [t for t in jax.tree.leaves(opt_state, is_leaf=like) if not like(t)]  # counters
+    groups = zip(*(jax.tree.leaves(t) for t in (params, *subtrees)))
+    finite = [
+        functools.reduce(jnp.logical_and, map(jnp.isfinite, g))
+        for g in groups
+        if jnp.issubdtype(g[0].dtype, jnp.inexact)
+    ]
+    return functools.reduce(jnp.logical_and, map(jnp.all, finite), all_finite(rest))
+
+
+def apply_if_finite(tx: optax.GradientTransformationExtraArgs, grads, grad_norm, opt_state, params, ok=True):
+    """(params, opt_state, applied): `tx`'s update applied if `ok`, `grad_norm` and everything the
+    update would write (parameters and optimizer state) are finite; else the old state, unchanged.
+
+    Two passes over the state instead of about four: a read-only one computes the would-be state and
+    reduces it to the check (the barrier keeps XLA from sharing those values with the update's, which
+    would write them all out to read them back), then a conditional computes the update again and
+    writes it in place over the (donated) old state. `grad_norm` is handed to the clipping."""
+
+    def update(p, o, g, norm):
+        updates, o = tx.update(g, o, p, grad_norm=norm)
+        return optax.apply_updates(p, updates), o
+
+    args = (params, opt_state, grads, grad_norm)
+    ok = ok & jnp.isfinite(grad_norm) & _finite_per_parameter(*update(*jax.lax.optimization_barrier(args)))
+    params, opt_state = jax.lax.cond(ok, lambda a: update(*a), lambda a: a[:2], args)
+    return params, opt_state, ok

@@ -201,12 +201,11 @@ def train_step(
         scored = jax.tree.map(model_lib.merge_batch, scored)
     metrics = metrics_lib.reduce(stacked)
     grad_norm = optax.tree.norm(grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
     # Skip the update if anything it would write is not finite (the loss and gradient, but also an
     # overflowing optimizer moment or parameter): a run never saves a non-finite state.
-    ok = jnp.isfinite(metrics["total_loss"].total) & optimizer_lib.all_finite(grad_norm, params, opt_state)
-    params, opt_state = optimizer_lib.keep_if(ok, (params, opt_state), (state.params, state.opt_state))
+    params, opt_state, ok = optimizer_lib.apply_if_finite(
+        tx, grads, grad_norm, state.opt_state, state.params, jnp.isfinite(metrics["total_loss"].total)
+    )
     state = state.replace(step=state.step + ok.astype(jnp.int32), params=params, opt_state=opt_state)
     metrics.update(grad_norm=Mean(grad_norm, 1), skipped=Count((~ok).astype(jnp.float32)))
     if static.critic is not None:  # its own loss, gradient, optimizer and skip; the same micro-batches

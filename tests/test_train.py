@@ -12,6 +12,7 @@ import chex
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from gspo_jax import losses, routing, train
@@ -306,12 +307,74 @@ def test_all_finite_is_exactly_every_element_finite(size, bad):
     assert bool(check({"count": np.int32(1)}))  # nothing floating: nothing to fail
 
 
-def test_keep_if_returns_one_tree_whole():
-    new = {"a": jnp.arange(3.0), "b": (jnp.ones((2, 2)), jnp.int32(4))}
-    old = jax.tree.map(lambda x: x - 1, new)
-    pick = jax.jit(optimizer_lib.keep_if)
-    chex.assert_trees_all_equal(pick(jnp.array(True), new, old), new)
-    chex.assert_trees_all_equal(pick(jnp.array(False), new, old), old)
+def _adamw_case(lr=1e-2, weight_decay=0.1, max_grad_norm=1.0):
+    cfg = optimizer_lib.OptimizerConfig(lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm)
+    tx = optimizer_lib.make_optimizer(cfg, 10)
+    rng = np.random.default_rng(0)
+    params = {
+        "w": jnp.asarray(rng.normal(size=(3, 5)), jnp.float32),
+        "b": (jnp.asarray(rng.normal(size=7), jnp.float32),),
+    }
+    opt_state = tx.init(params)
+    grads = lambda scale: jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape) * scale, jnp.float32), params)
+    return tx, params, opt_state, grads
+
+
+@pytest.mark.parametrize("max_grad_norm", [0.0, 1.0])
+def test_apply_if_finite_is_optax_adamw_bit_for_bit(max_grad_norm):
+    """The two-pass update (check, then a conditional) writes exactly what optax's own
+    clip_by_global_norm + adamw chain writes, clipped (norm 30 > 1) or not (norm 0.3 < 1)."""
+    tx, params, opt_state, grads = _adamw_case(max_grad_norm=max_grad_norm)
+    cfg = optimizer_lib.OptimizerConfig(1e-2, weight_decay=0.1)
+    adamw = optimizer_lib.make_optimizer(cfg, 10)
+    ref_tx = optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw) if max_grad_norm else adamw
+
+    @jax.jit
+    def ours(p, o, g):
+        return optimizer_lib.apply_if_finite(tx, g, optax.tree.norm(g), o, p)
+
+    @jax.jit
+    def ref(p, o, g):
+        u, o = ref_tx.update(g, o, p)
+        return optax.apply_updates(p, u), o
+
+    p, o, rp, ro = params, opt_state, params, ref_tx.init(params)
+    for scale in (10.0, 0.1, 10.0):  # the schedule's first step has lr 0: three steps
+        g = grads(scale)
+        p, o, applied = ours(p, o, g)
+        rp, ro = ref(rp, ro, g)
+        assert bool(applied)
+        chex.assert_trees_all_equal(p, rp)
+        chex.assert_trees_all_equal(jax.tree.leaves(o), jax.tree.leaves(ro))
+    assert not np.array_equal(p["w"], params["w"])
+
+
+@pytest.mark.parametrize("case", ["nan_gradient", "not_ok", "parameter_overflows", "moment_not_finite"])
+def test_apply_if_finite_keeps_the_whole_old_state(case):
+    """Any non-finite value the update would write (or a caller's `ok` False) leaves every parameter,
+    moment and counter as it was, and says so."""
+    tx, params, opt_state, grads = _adamw_case(
+        **({"lr": 1e30, "weight_decay": 1e10} if case == "parameter_overflows" else {})
+    )
+    g, ok = grads(0.1), True
+    _, opt_state, _ = optimizer_lib.apply_if_finite(tx, g, optax.tree.norm(g), opt_state, params)  # lr > 0 now
+    if case == "nan_gradient":
+        g = {"w": g["w"].at[1, 2].set(jnp.nan), "b": g["b"]}
+    elif case == "not_ok":
+        ok = False
+    elif case == "moment_not_finite":  # a state that is already bad is not carried forward either
+        adam = opt_state[1][0]
+        opt_state = (
+            opt_state[0],
+            (adam._replace(nu={"w": adam.nu["w"], "b": (adam.nu["b"][0].at[3].set(jnp.inf),)}), *opt_state[1][1:]),
+        )
+    run = jax.jit(lambda p, o, g, ok: optimizer_lib.apply_if_finite(tx, g, optax.tree.norm(g), o, p, ok))
+    p, o, applied = run(params, opt_state, g, jnp.asarray(ok))
+    assert not bool(applied)
+    chex.assert_trees_all_equal((p, jax.tree.leaves(o)), (params, jax.tree.leaves(opt_state)))
+    if case == "parameter_overflows":  # the check is what stopped it: the plain update overflows
+        u, _ = tx.update(g, opt_state, params)
+        assert not np.isfinite(np.asarray(optax.apply_updates(params, u)["w"])).all()
 
 
 def test_non_finite_loss_skips_the_update():
