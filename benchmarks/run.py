@@ -365,12 +365,15 @@ def _run_iterations(c, cache_dir: str | None = None, cold: bool = True) -> tuple
 
 
 def iteration(size: str, repeats: int) -> dict:
+    """The three drift settings, each a fresh run from cold in-memory caches (at `tiny`, the smoke
+    test, they share compiled programs: every figure produced, fewer compiles), then the
+    compilation-cache pair, always cold."""
     del repeats
     out = {}
     for drift, subsample in ((True, 1), (True, 4), (False, 1)):
         c = iteration_config(size)
         c.train.update(drift_metrics=drift, drift_subsample=subsample)
-        rows, t0 = _run_iterations(c)
+        rows, t0 = _run_iterations(c, cold=size != "tiny")
         warm = [r for r in rows if 2 <= r["step"] <= 5]  # iterations 2..5: compiled, not the last (it evaluates)
         wall = [b["time"] - a["time"] for a, b in zip(rows[1:], rows[2:]) if 2 <= b["step"] <= 5]
         split = {k: float(np.mean([r[k] for r in warm])) for k in SPLIT}

@@ -496,7 +496,8 @@ def test_one_update_per_batch_shares_the_old_forward_and_subsamples_drift(tmp_pa
 @pytest.mark.slow
 def test_cli_keeps_compiled_programs_in_the_compilation_cache(tmp_path):
     cache = tmp_path / "xla"
-    args = ("--config", "configs/gspo.py:tiny", "--config.train.num_iterations=1", "--noprogress")
+    small = ("--config.model.num_layers=2", "--config.model.dense_layers=()", "--config.model.num_experts=4")
+    args = ("--config", "configs/gspo.py:tiny", "--config.train.num_iterations=1", *small, "--noprogress")
     r = run_cli(*args, "--workdir", str(tmp_path / "a"), f"--compilation_cache={cache}")
     assert r.returncode == 0, r.stderr[-2000:]
     entries = set(cache.iterdir())
