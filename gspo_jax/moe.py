@@ -216,22 +216,25 @@ def _dot(a, b_):
     return jnp.dot(a, b_, preferred_element_type=jnp.float32)
 
 
-def _swiglu_blocks(layout: BlockLayout, x_RD, w_gu_EDG, w_down_EFD, b: int, keep_gu: bool):
-    """The experts' SwiGLU on every used block (G = 2F: gate and up side by side): y_R [R, D], and
-    the pre-activations gu_R [R, G] when `keep_gu` (the backward pass reads them)."""
-    F = w_down_EFD.shape[1]
+def _swiglu_blocks(layout: BlockLayout, x_RD, w_gate_EDF, w_up_EDF, w_down_EFD, b: int, keep: bool):
+    """The experts' SwiGLU on every used block: y_R [R, D], and the gate and up pre-activations
+    (g_R, u_R [R, F]) when `keep` (the backward pass reads them). Gate and up stay two matmuls on the
+    layer's own weights: concatenating them per layer copied every expert's weights once more."""
     dtype = x_RD.dtype
 
     def body(i, carry, w, e):
-        (y_RD, gu_RG), (w_gu_DG, w_down_FD) = carry, w
-        gu_bG = _dot(_rows(x_RD, i, b), w_gu_DG).astype(dtype)
-        h_bF = jax.nn.silu(gu_bG[:, :F]) * gu_bG[:, F:]
-        y_RD = _put_rows(y_RD, _dot(h_bF, w_down_FD), i, b)
-        return y_RD, (_put_rows(gu_RG, gu_bG, i, b) if keep_gu else gu_RG)
+        (y_RD, g_RF, u_RF), (w_gate_DF, w_up_DF, w_down_FD) = carry, w
+        x_bD = _rows(x_RD, i, b)
+        g_bF, u_bF = _dot(x_bD, w_gate_DF).astype(dtype), _dot(x_bD, w_up_DF).astype(dtype)
+        y_RD = _put_rows(y_RD, _dot(jax.nn.silu(g_bF) * u_bF, w_down_FD), i, b)
+        if keep:
+            g_RF, u_RF = _put_rows(g_RF, g_bF, i, b), _put_rows(u_RF, u_bF, i, b)
+        return y_RD, g_RF, u_RF
 
     R, D = x_RD.shape
-    gu_RG = jnp.zeros((R if keep_gu else 0, 2 * F), dtype)
-    return _for_each_block(layout, (w_gu_EDG, w_down_EFD), body, (jnp.zeros((R, D), dtype), gu_RG))
+    kept = jnp.zeros((R if keep else 0, w_down_EFD.shape[1]), dtype)
+    init = (jnp.zeros((R, D), dtype), kept, kept)
+    return _for_each_block(layout, (w_gate_EDF, w_up_EDF, w_down_EFD), body, init)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -241,17 +244,14 @@ def _sparse_experts(b: int, layout: BlockLayout, x_ND, gates_NK, w_gate_EDF, w_u
 
 def _sparse_experts_fwd(b, layout, x_ND, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD, keep=True):
     x_RD = jnp.concatenate([x_ND, jnp.zeros_like(x_ND[:1])])[layout.token_R]
-    w_gu_EDG = jnp.concatenate([w_gate_EDF, w_up_EDF], axis=-1)
-    y_RD, gu_RG = _swiglu_blocks(layout, x_RD, w_gu_EDG, w_down_EFD, b, keep_gu=keep)
+    y_RD, g_RF, u_RF = _swiglu_blocks(layout, x_RD, w_gate_EDF, w_up_EDF, w_down_EFD, b, keep)
     y_NKD = y_RD[layout.row_NK]
     y_ND = jnp.einsum("nkd,nk->nd", y_NKD, gates_NK, preferred_element_type=jnp.float32).astype(x_ND.dtype)
-    return y_ND, (layout, x_RD, gu_RG, y_NKD, gates_NK, w_gu_EDG, w_down_EFD)
+    return y_ND, (layout, x_RD, g_RF, u_RF, y_NKD, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD)
 
 
 def _sparse_experts_bwd(b, res, dy_ND):
-    layout, x_RD, gu_RG, y_NKD, gates_NK, w_gu_EDG, w_down_EFD = res
-    N, K = gates_NK.shape
-    E, F, D = w_down_EFD.shape
+    layout, x_RD, g_RF, u_RF, y_NKD, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD = res
     dtype = x_RD.dtype
     dy_ND = dy_ND.astype(jnp.float32)
     d_gates_NK = jnp.einsum("nkd,nd->nk", y_NKD.astype(jnp.float32), dy_ND).astype(gates_NK.dtype)
@@ -264,30 +264,27 @@ def _sparse_experts_bwd(b, res, dy_ND):
     dy_RD = (jnp.concatenate([dy_ND, jnp.zeros_like(dy_ND[:1])])[layout.token_R] * gate_R[:, None]).astype(dtype)
 
     def body(i, carry, w, e):
-        (dx_RD, dw_gu_EDG, dw_down_EFD), (w_gu_DG, w_down_FD) = carry, w
-        dy_bD, x_bD, gu_bG = _rows(dy_RD, i, b), _rows(x_RD, i, b), _rows(gu_RG, i, b).astype(jnp.float32)
-        g_bF, u_bF = gu_bG[:, :F], gu_bG[:, F:]
+        (dx_RD, dw_gate_EDF, dw_up_EDF, dw_down_EFD), (w_gate_DF, w_up_DF, w_down_FD) = carry, w
+        dy_bD, x_bD = _rows(dy_RD, i, b), _rows(x_RD, i, b)
+        g_bF, u_bF = _rows(g_RF, i, b).astype(jnp.float32), _rows(u_RF, i, b).astype(jnp.float32)
         sig_bF = jax.nn.sigmoid(g_bF)
         silu_bF = g_bF * sig_bF
         h_bF = (silu_bF * u_bF).astype(dtype)
         dh_bF = _dot(dy_bD, w_down_FD.T)
-        d_gu_bG = jnp.concatenate([dh_bF * u_bF * sig_bF * (1 + g_bF * (1 - sig_bF)), dh_bF * silu_bF], -1)
-        d_gu_bG = d_gu_bG.astype(dtype)
-        dx_RD = _put_rows(dx_RD, _dot(d_gu_bG, w_gu_DG.T), i, b)
-        dw_gu_EDG = dw_gu_EDG.at[e].add(_dot(x_bD.T, d_gu_bG))
+        dg_bF = (dh_bF * u_bF * sig_bF * (1 + g_bF * (1 - sig_bF))).astype(dtype)
+        du_bF = (dh_bF * silu_bF).astype(dtype)
+        dx_RD = _put_rows(dx_RD, _dot(dg_bF, w_gate_DF.T) + _dot(du_bF, w_up_DF.T), i, b)
+        dw_gate_EDF = dw_gate_EDF.at[e].add(_dot(x_bD.T, dg_bF))
+        dw_up_EDF = dw_up_EDF.at[e].add(_dot(x_bD.T, du_bF))
         dw_down_EFD = dw_down_EFD.at[e].add(_dot(h_bF.T, dy_bD))
-        return dx_RD, dw_gu_EDG, dw_down_EFD
+        return dx_RD, dw_gate_EDF, dw_up_EDF, dw_down_EFD
 
-    init = (
-        jnp.zeros_like(x_RD),
-        jnp.zeros(w_gu_EDG.shape, jnp.float32),
-        jnp.zeros(w_down_EFD.shape, jnp.float32),
-    )
-    dx_RD, dw_gu_EDG, dw_down_EFD = _for_each_block(layout, (w_gu_EDG, w_down_EFD), body, init)
+    zeros = lambda w: jnp.zeros(w.shape, jnp.float32)
+    init = (jnp.zeros_like(x_RD), zeros(w_gate_EDF), zeros(w_up_EDF), zeros(w_down_EFD))
+    dx_RD, dw_gate, dw_up, dw_down = _for_each_block(layout, (w_gate_EDF, w_up_EDF, w_down_EFD), body, init)
     dx_ND = jnp.sum(dx_RD[layout.row_NK].astype(jnp.float32), axis=1).astype(dtype)
-    dw_gate, dw_up = dw_gu_EDG[..., :F], dw_gu_EDG[..., F:]
     cast = lambda g, like: g.astype(like.dtype)
-    return None, dx_ND, d_gates_NK, cast(dw_gate, w_gu_EDG), cast(dw_up, w_gu_EDG), cast(dw_down_EFD, w_down_EFD)
+    return None, dx_ND, d_gates_NK, cast(dw_gate, w_gate_EDF), cast(dw_up, w_up_EDF), cast(dw_down, w_down_EFD)
 
 
 _sparse_experts.defvjp(_sparse_experts_fwd, _sparse_experts_bwd)
