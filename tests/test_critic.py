@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_train import Setup, minibatch, tiny, values
+from test_train import Setup, minibatch, small, tiny, values
 
 from gspo_jax import critic as critic_lib
 from gspo_jax import train
@@ -175,7 +175,7 @@ def test_kl_in_the_reward_needs_the_reference_and_a_scoring_pass(ppo):
 
 def test_microbatches_give_the_same_critic_update():
     def setup(microbatches):
-        c = tiny("ppo")
+        c = small("ppo")
         c.model.update(lb_loss_coef=0.0, z_loss_coef=0.0)  # batch statistics: not additive over micro-batches
         c.train.microbatches = microbatches
         return Setup(c)
