@@ -181,76 +181,97 @@ def block_layout(topk_NK: jax.Array, num_experts: int, b: int) -> BlockLayout:
 STATIC_EXPERT_LOOPS = 16
 
 
-def _for_each_block(layout: BlockLayout, weights: tuple, body, carry):
-    """carry = body(i, carry, w, e) for every used block i, in order: e is its expert and w the tuple
-    of each [E, ...] array of `weights` at e. With static experts each expert's weights are sliced
-    once, before its loop: XLA:CPU neither hoists such a slice out of the loop nor makes it a view,
-    so slicing inside copied the expert's weights for every block (`benchmarks/profile.py`). The
-    slices sit behind a barrier for the same reason one level up: XLA hoists a barrier (never a bare
-    slice) out of an enclosing loop, so a decode step reads loop-invariant weights in place."""
+def chunk_blocks(assignments: int, num_experts: int, b: int) -> int:
+    """Blocks per chunk in the training pass: an expert's blocks run `chunk` at a time (then one at a
+    time for the rest), so each matmul has about 128 rows where blocks are small, without more
+    padding. A power of two, at most the blocks an expert gets on average; 1 where blocks are already
+    128 rows or more, and below 2,048 assignments, where the extra loops cost more compile time than
+    the wider matmuls save."""
+    c = 1
+    while assignments >= 2048 and 2 * c * b <= 128 and 2 * c * b * num_experts <= assignments:
+        c *= 2
+    return c
+
+
+def _for_each_block(layout: BlockLayout, weights: tuple, body, carry, b: int, chunk: int = 1):
+    """carry = body(r, n, carry, w, e) over every used block in order, r its first row and n (static)
+    its rows: e is the block's expert and w the tuple of each [E, ...] array of `weights` at e. With
+    static experts each expert's weights are sliced once, before its loops: XLA:CPU neither hoists
+    such a slice out of the loop nor makes it a view, so slicing inside copied the expert's weights
+    for every block (`benchmarks/profile.py`). The slices sit behind a barrier for the same reason one
+    level up: XLA hoists a barrier (never a bare slice) out of an enclosing loop, so a decode step
+    reads loop-invariant weights in place. With `chunk` > 1 an expert's blocks go `chunk` at a time
+    (n = chunk·b) while that many are left, then one at a time."""
     num_experts = weights[0].shape[0]
     if num_experts <= STATIC_EXPERT_LOOPS:
         for e in range(num_experts):
             w = tuple(jax.lax.optimization_barrier(x[e]) for x in weights)
-            start = layout.block_end_E[e - 1] if e else 0
-            carry = jax.lax.fori_loop(start, layout.block_end_E[e], lambda i, c, w=w, e=e: body(i, c, w, e), carry)
+            start, end = (layout.block_end_E[e - 1] if e else 0), layout.block_end_E[e]
+            if chunk > 1:
+                n = chunk * b
+                full = (end - start) // chunk
+                run = lambda j, c, w=w, e=e, s=start, n=n: body((s + j * chunk) * b, n, c, w, e)
+                carry = jax.lax.fori_loop(0, full, run, carry)
+                start = start + full * chunk
+            carry = jax.lax.fori_loop(start, end, lambda i, c, w=w, e=e: body(i * b, b, c, w, e), carry)
         return carry
     end = layout.block_end_E[num_experts - 1]  # the blocks of "no expert" (index E), if any, are skipped
 
     def one(i, c):
         e = layout.expert_NB[i]
-        return body(i, c, tuple(x[e] for x in weights), e)
+        return body(i * b, b, c, tuple(x[e] for x in weights), e)
 
     return jax.lax.fori_loop(0, end, one, carry)
 
 
-def _rows(x_RD, i, b):
-    return jax.lax.dynamic_slice_in_dim(x_RD, i * b, b)
+def _rows(x_RD, r, n):
+    return jax.lax.dynamic_slice_in_dim(x_RD, r, n)
 
 
-def _put_rows(x_RD, rows_bD, i, b):
-    return jax.lax.dynamic_update_slice_in_dim(x_RD, rows_bD.astype(x_RD.dtype), i * b, axis=0)
+def _put_rows(x_RD, rows_nD, r):
+    return jax.lax.dynamic_update_slice_in_dim(x_RD, rows_nD.astype(x_RD.dtype), r, axis=0)
 
 
 def _dot(a, b_):
     return jnp.dot(a, b_, preferred_element_type=jnp.float32)
 
 
-def _swiglu_blocks(layout: BlockLayout, x_RD, w_gate_EDF, w_up_EDF, w_down_EFD, b: int, keep: bool):
+def _swiglu_blocks(layout: BlockLayout, x_RD, w_gate_EDF, w_up_EDF, w_down_EFD, b: int, chunk: int, keep: bool):
     """The experts' SwiGLU on every used block: y_R [R, D], and the gate and up pre-activations
     (g_R, u_R [R, F]) when `keep` (the backward pass reads them). Gate and up stay two matmuls on the
     layer's own weights: concatenating them per layer copied every expert's weights once more."""
     dtype = x_RD.dtype
 
-    def body(i, carry, w, e):
+    def body(r, n, carry, w, e):
         (y_RD, g_RF, u_RF), (w_gate_DF, w_up_DF, w_down_FD) = carry, w
-        x_bD = _rows(x_RD, i, b)
-        g_bF, u_bF = _dot(x_bD, w_gate_DF).astype(dtype), _dot(x_bD, w_up_DF).astype(dtype)
-        y_RD = _put_rows(y_RD, _dot(jax.nn.silu(g_bF) * u_bF, w_down_FD), i, b)
+        x_nD = _rows(x_RD, r, n)
+        g_nF, u_nF = _dot(x_nD, w_gate_DF).astype(dtype), _dot(x_nD, w_up_DF).astype(dtype)
+        y_RD = _put_rows(y_RD, _dot(jax.nn.silu(g_nF) * u_nF, w_down_FD), r)
         if keep:
-            g_RF, u_RF = _put_rows(g_RF, g_bF, i, b), _put_rows(u_RF, u_bF, i, b)
+            g_RF, u_RF = _put_rows(g_RF, g_nF, r), _put_rows(u_RF, u_nF, r)
         return y_RD, g_RF, u_RF
 
     R, D = x_RD.shape
     kept = jnp.zeros((R if keep else 0, w_down_EFD.shape[1]), dtype)
     init = (jnp.zeros((R, D), dtype), kept, kept)
-    return _for_each_block(layout, (w_gate_EDF, w_up_EDF, w_down_EFD), body, init)
+    return _for_each_block(layout, (w_gate_EDF, w_up_EDF, w_down_EFD), body, init, b, chunk)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _sparse_experts(b: int, layout: BlockLayout, x_ND, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD):
-    return _sparse_experts_fwd(b, layout, x_ND, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD, keep=False)[0]
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _sparse_experts(b: int, chunk: int, layout: BlockLayout, x_ND, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD):
+    # Forward only (sampling, scoring): one block at a time, fewer loops to compile; no gain measured.
+    return _sparse_experts_fwd(b, 1, layout, x_ND, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD, keep=False)[0]
 
 
-def _sparse_experts_fwd(b, layout, x_ND, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD, keep=True):
+def _sparse_experts_fwd(b, chunk, layout, x_ND, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD, keep=True):
     x_RD = jnp.concatenate([x_ND, jnp.zeros_like(x_ND[:1])])[layout.token_R]
-    y_RD, g_RF, u_RF = _swiglu_blocks(layout, x_RD, w_gate_EDF, w_up_EDF, w_down_EFD, b, keep)
+    y_RD, g_RF, u_RF = _swiglu_blocks(layout, x_RD, w_gate_EDF, w_up_EDF, w_down_EFD, b, chunk, keep)
     y_NKD = y_RD[layout.row_NK]
     y_ND = jnp.einsum("nkd,nk->nd", y_NKD, gates_NK, preferred_element_type=jnp.float32).astype(x_ND.dtype)
     return y_ND, (layout, x_RD, g_RF, u_RF, y_NKD, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD)
 
 
-def _sparse_experts_bwd(b, res, dy_ND):
+def _sparse_experts_bwd(b, chunk, res, dy_ND):
     layout, x_RD, g_RF, u_RF, y_NKD, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD = res
     dtype = x_RD.dtype
     dy_ND = dy_ND.astype(jnp.float32)
@@ -263,25 +284,26 @@ def _sparse_experts_bwd(b, res, dy_ND):
     )
     dy_RD = (jnp.concatenate([dy_ND, jnp.zeros_like(dy_ND[:1])])[layout.token_R] * gate_R[:, None]).astype(dtype)
 
-    def body(i, carry, w, e):
+    def body(r, n, carry, w, e):
         (dx_RD, dw_gate_EDF, dw_up_EDF, dw_down_EFD), (w_gate_DF, w_up_DF, w_down_FD) = carry, w
-        dy_bD, x_bD = _rows(dy_RD, i, b), _rows(x_RD, i, b)
-        g_bF, u_bF = _rows(g_RF, i, b).astype(jnp.float32), _rows(u_RF, i, b).astype(jnp.float32)
-        sig_bF = jax.nn.sigmoid(g_bF)
-        silu_bF = g_bF * sig_bF
-        h_bF = (silu_bF * u_bF).astype(dtype)
-        dh_bF = _dot(dy_bD, w_down_FD.T)
-        dg_bF = (dh_bF * u_bF * sig_bF * (1 + g_bF * (1 - sig_bF))).astype(dtype)
-        du_bF = (dh_bF * silu_bF).astype(dtype)
-        dx_RD = _put_rows(dx_RD, _dot(dg_bF, w_gate_DF.T) + _dot(du_bF, w_up_DF.T), i, b)
-        dw_gate_EDF = dw_gate_EDF.at[e].add(_dot(x_bD.T, dg_bF))
-        dw_up_EDF = dw_up_EDF.at[e].add(_dot(x_bD.T, du_bF))
-        dw_down_EFD = dw_down_EFD.at[e].add(_dot(h_bF.T, dy_bD))
+        dy_nD, x_nD = _rows(dy_RD, r, n), _rows(x_RD, r, n)
+        g_nF, u_nF = _rows(g_RF, r, n).astype(jnp.float32), _rows(u_RF, r, n).astype(jnp.float32)
+        sig_nF = jax.nn.sigmoid(g_nF)
+        silu_nF = g_nF * sig_nF
+        h_nF = (silu_nF * u_nF).astype(dtype)
+        dh_nF = _dot(dy_nD, w_down_FD.T)
+        dg_nF = (dh_nF * u_nF * sig_nF * (1 + g_nF * (1 - sig_nF))).astype(dtype)
+        du_nF = (dh_nF * silu_nF).astype(dtype)
+        dx_RD = _put_rows(dx_RD, _dot(dg_nF, w_gate_DF.T) + _dot(du_nF, w_up_DF.T), r)
+        dw_gate_EDF = dw_gate_EDF.at[e].add(_dot(x_nD.T, dg_nF))
+        dw_up_EDF = dw_up_EDF.at[e].add(_dot(x_nD.T, du_nF))
+        dw_down_EFD = dw_down_EFD.at[e].add(_dot(h_nF.T, dy_nD))
         return dx_RD, dw_gate_EDF, dw_up_EDF, dw_down_EFD
 
     zeros = lambda w: jnp.zeros(w.shape, jnp.float32)
     init = (jnp.zeros_like(x_RD), zeros(w_gate_EDF), zeros(w_up_EDF), zeros(w_down_EFD))
-    dx_RD, dw_gate, dw_up, dw_down = _for_each_block(layout, (w_gate_EDF, w_up_EDF, w_down_EFD), body, init)
+    weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
+    dx_RD, dw_gate, dw_up, dw_down = _for_each_block(layout, weights, body, init, b, chunk)
     dx_ND = jnp.sum(dx_RD[layout.row_NK].astype(jnp.float32), axis=1).astype(dtype)
     cast = lambda g, like: g.astype(like.dtype)
     return None, dx_ND, d_gates_NK, cast(dw_gate, w_gate_EDF), cast(dw_up, w_up_EDF), cast(dw_down, w_down_EFD)
@@ -290,13 +312,17 @@ def _sparse_experts_bwd(b, res, dy_ND):
 _sparse_experts.defvjp(_sparse_experts_fwd, _sparse_experts_bwd)
 
 
-def sparse_experts(x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, *, block: int | None = None):
+def sparse_experts(
+    x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, *, block: int | None = None, chunk: int | None = None
+):
     """Sparse dispatch for CPUs: each token's rows go to an expert-sorted buffer padded per expert to
     blocks of `block` rows (`sparse_block_size` by default), and a loop over the used blocks runs
     each one's SwiGLU with its expert's weights. Exact and dropless: a token's output is computed from
     its own row only, in k·(useful) FLOPs plus at most `block - 1` padding rows per expert, never E/k
-    times the work like the dense path. The backward pass is hand-written (the same block loop; the
-    gathers' transposes are gathers of the inverse permutation, never scatter-adds)."""
+    times the work like the dense path. An expert's blocks run `chunk` at a time (`chunk_blocks` by
+    default) while that many are left: small blocks keep the padding small, chunks keep the matmuls
+    wide. The backward pass is hand-written (the same loops; the gathers' transposes are gathers of
+    the inverse permutation, never scatter-adds)."""
     B, T, D = x_BTD.shape
     K, E = topk_BTK.shape[-1], w_gate_EDF.shape[0]
     dtype = x_BTD.dtype
@@ -305,6 +331,7 @@ def sparse_experts(x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF, w_down_EFD,
     layout = block_layout(topk_BTK.reshape(B * T, K).astype(jnp.int32), E + 1, b)
     y_ND = _sparse_experts(
         b,
+        chunk or chunk_blocks(B * T * K, E + 1, b),
         layout,
         x_BTD.reshape(B * T, D),
         gates_BTK.reshape(B * T, K),

@@ -477,14 +477,24 @@ class TestSparseDispatch(chex.TestCase):
         assert moe.sparse_block_size(256, 4) == 16
         assert moe.sparse_block_size(4, 128) == 8  # never below 8
 
+    def test_chunk_rule(self):
+        assert moe.chunk_blocks(2304, 17, 32) == 4  # `bench`: 128-row chunks, ~4 blocks an expert
+        assert moe.chunk_blocks(4608, 9, 64) == 2  # the default config
+        assert moe.chunk_blocks(20480, 5, 256) == 1  # blocks already wide
+        assert moe.chunk_blocks(2048, 65, 8) == 2  # at most an expert's average share of blocks
+        assert moe.chunk_blocks(256, 5, 8) == 1  # the tiny preset: too small to pay
+
     @chex.variants(with_jit=True, without_jit=True)
     @parameterized.named_parameters(
         ("auto_block", 3, 7, 16, 12, 4, 2, None, "random"),
         ("k_equals_e", 2, 5, 8, 8, 4, 4, 8, "random"),
         ("top3_of_32_one_loop", 2, 9, 16, 8, 32, 3, 8, "random"),  # E > STATIC_EXPERT_LOOPS
         ("all_to_one_expert", 3, 11, 16, 8, 4, 2, 8, "skewed"),
+        # Blocks of 2 rows, 3 at a time: experts get 6-13 blocks, so both loops run, chunks and the rest.
+        ("chunks_of_3_blocks", 4, 9, 16, 8, 4, 2, 2, "random", 3),
+        ("chunks_all_to_one_expert", 3, 11, 16, 8, 4, 2, 2, "skewed", 4),
     )
-    def test_matches_dense_values_and_gradients(self, B_, T_, D, F, E, K, block, routing):
+    def test_matches_dense_values_and_gradients(self, B_, T_, D, F, E, K, block, routing, chunk=None):
         ks = jax.random.split(jax.random.key(B_ * 100 + E), 6)
         x = jax.random.normal(ks[0], (B_, T_, D))
         w = [jax.random.normal(k, s) * s[-2] ** -0.5 for k, s in zip(ks[1:4], [(E, D, F), (E, D, F), (E, F, D)])]
@@ -494,7 +504,7 @@ class TestSparseDispatch(chex.TestCase):
         topk, gates, _ = moe.route(logits, K, True)
         if routing == "skewed":
             assert np.all(np.asarray(topk[..., 0]) == 2)
-        sparse = functools.partial(moe.sparse_experts, block=block)
+        sparse = functools.partial(moe.sparse_experts, block=block, chunk=chunk)
 
         def loss(fn, x, gates, *w):
             return jnp.sum(jnp.sin(fn(x, topk, gates, *w)))
