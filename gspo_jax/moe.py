@@ -201,7 +201,8 @@ def _for_each_block(layout: BlockLayout, weights: tuple, body, carry, b: int, ch
     for every block (`benchmarks/profile.py`). The slices sit behind a barrier for the same reason one
     level up: XLA hoists a barrier (never a bare slice) out of an enclosing loop, so a decode step
     reads loop-invariant weights in place. With `chunk` > 1 an expert's blocks go `chunk` at a time
-    (n = chunk·b) while that many are left, then one at a time."""
+    (n = chunk·b) while that many are left, then one at a time (static experts only: past
+    STATIC_EXPERT_LOOPS one loop visits every block alone)."""
     num_experts = weights[0].shape[0]
     if num_experts <= STATIC_EXPERT_LOOPS:
         for e in range(num_experts):

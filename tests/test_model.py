@@ -490,9 +490,8 @@ class TestSparseDispatch(chex.TestCase):
         ("k_equals_e", 2, 5, 8, 8, 4, 4, 8, "random"),
         ("top3_of_32_one_loop", 2, 9, 16, 8, 32, 3, 8, "random"),  # E > STATIC_EXPERT_LOOPS
         ("all_to_one_expert", 3, 11, 16, 8, 4, 2, 8, "skewed"),
-        # Blocks of 2 rows, 3 at a time: experts get 6-13 blocks, so both loops run, chunks and the rest.
-        ("chunks_of_3_blocks", 4, 9, 16, 8, 4, 2, 2, "random", 3),
-        ("chunks_all_to_one_expert", 3, 11, 16, 8, 4, 2, 2, "skewed", 4),
+        # Blocks of 2 rows, 3 at a time: expert 2 gets 17+ blocks, the others a few, so both loops run.
+        ("chunks_all_to_one_expert", 3, 11, 16, 8, 4, 2, 2, "skewed", 3),
     )
     def test_matches_dense_values_and_gradients(self, B_, T_, D, F, E, K, block, routing, chunk=None):
         ks = jax.random.split(jax.random.key(B_ * 100 + E), 6)
