@@ -320,10 +320,11 @@ def sparse_experts(
     blocks of `block` rows (`sparse_block_size` by default), and a loop over the used blocks runs
     each one's SwiGLU with its expert's weights. Exact and dropless: a token's output is computed from
     its own row only, in k·(useful) FLOPs plus at most `block - 1` padding rows per expert, never E/k
-    times the work like the dense path. An expert's blocks run `chunk` at a time (`chunk_blocks` by
-    default) while that many are left: small blocks keep the padding small, chunks keep the matmuls
-    wide. The backward pass is hand-written (the same loops; the gathers' transposes are gathers of
-    the inverse permutation, never scatter-adds)."""
+    times the work like the dense path. Under differentiation (the forward and the backward), an
+    expert's blocks run `chunk` at a time (`chunk_blocks` by default) while that many are left: small
+    blocks keep the padding small, chunks keep the matmuls wide; forward-only calls (sampling,
+    scoring) run single blocks. The backward pass is hand-written (the same loops; the gathers'
+    transposes are gathers of the inverse permutation, never scatter-adds)."""
     B, T, D = x_BTD.shape
     K, E = topk_BTK.shape[-1], w_gate_EDF.shape[0]
     dtype = x_BTD.dtype
