@@ -83,6 +83,9 @@ def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigD
             epochs=1,
             minibatches=2,
             microbatches=1,
+            # More micro-batches where one would hold over this many tokens per data-parallel device
+            # (`update_microbatches`): the update's activations stay bounded however large the rollout.
+            microbatch_tokens=4096,
             **_optimizer_keys(learning_rate=1e-4, warmup_steps=5, max_grad_norm=1.0, b2=0.99),
             old_logp_source="trainer",
             routing_replay="none",
@@ -125,7 +128,7 @@ def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigD
         # log-softmax over 512 positions at a time, scoring and prefill in 4 chunks of the batch; with
         # the batch split over all 32 chips (expert parallelism) the minibatch needs no micro-batches.
         c.model.update(remat="full", logprob_chunk=512, batch_chunks=4)
-        c.train.microbatches = 1
+        c.train.update(microbatches=1, microbatch_tokens=0)
         c.warm_start.update(steps=0)
         c.mesh.update(data=1, fsdp=-1, expert=8, tensor=1)  # -1: whatever devices remain
 
@@ -156,6 +159,7 @@ class Built:
     rollout: RolloutConfig
     task: Any
     critic: CriticConfig | None = None  # PPO's value model, its architecture resolved
+    microbatches: int = 1  # per update: train.microbatches, raised by train.microbatch_tokens
 
 
 def _typed(name: str, cls, values: dict):
@@ -211,6 +215,7 @@ def build(c: ml_collections.ConfigDict, device_count: int | None = None) -> Buil
     for key in keys:
         check_int("config", f"train.{key}", t[key])
     check_int("config", "train.keep_checkpoints", t.keep_checkpoints)
+    check_int("config", "train.microbatch_tokens", t.microbatch_tokens, low=0)
     check_int("config", "train.eval_batches", t.eval_batches)
     OptimizerConfig.from_config(t, "config.train")
     check_choice("config", "train.old_logp_source", t.old_logp_source, OLD_LOGP_SOURCES)
@@ -251,7 +256,7 @@ def build(c: ml_collections.ConfigDict, device_count: int | None = None) -> Buil
         chunks,
         f"a divisor of num_groups×group_size={batch} (and of the drift batch, batch / train.drift_subsample)",
     )
-    _check_mesh(
+    data = _check_mesh(
         c.mesh,
         batch=batch,
         score_chunk=batch // chunks,
@@ -288,7 +293,24 @@ def build(c: ml_collections.ConfigDict, device_count: int | None = None) -> Buil
             loss_cfg.sum_norm_len,
             f"Dr.GRPO normalises by the max completion length, max_new_tokens={c.max_new_tokens}",
         )
-    return Built(model=model_cfg, loss=loss_cfg, rollout=rollout_cfg, task=task, critic=critic_cfg)
+    micro = update_microbatches(
+        batch // t.minibatches, c.prompt_len + c.max_new_tokens, data, t.microbatches, t.microbatch_tokens
+    )
+    return Built(model=model_cfg, loss=loss_cfg, rollout=rollout_cfg, task=task, critic=critic_cfg, microbatches=micro)
+
+
+def update_microbatches(rows: int, seq_len: int, data: int, at_least: int, max_tokens: int) -> int:
+    """How many micro-batches an update of `rows` sequences of `seq_len` tokens runs: the fewest, from
+    `at_least` (`train.microbatches`) up, that split the rows evenly over the `data` devices and hold at
+    most `max_tokens` tokens per device (0: no bound); the finest such split where none does.
+
+    On CPU the bound is also speed: XLA maps a step's temporaries afresh for every call, and on a VM
+    whose host reclaims freed memory each call faults them back in (README, Benchmarks)."""
+    counts = [m for m in range(at_least, rows + 1) if rows % m == 0 and rows // m % data == 0]
+    if not counts:  # `at_least` itself does not split the rows: `_check_mesh` has said so already
+        return at_least
+    fits = [m for m in counts if max_tokens == 0 or rows // m // data * seq_len <= max_tokens]
+    return fits[0] if fits else counts[-1]
 
 
 def _critic(c: ml_collections.ConfigDict, policy: model_lib.ModelConfig) -> CriticConfig | None:
@@ -338,8 +360,9 @@ def _check_mesh(
     sampler_threads: int = 1,
     devices: int,
     num_experts: dict[str, int],
-) -> None:
-    """Axis sizes against the devices present, and the data axes against every batch they split."""
+) -> int:
+    """Axis sizes against the devices present, and the data axes against every batch they split;
+    returns how many devices the batch is split over (data × fsdp × expert)."""
     sizes = {k: mesh[k] for k in ("data", "fsdp", "expert", "tensor")}
     for k, v in sizes.items():
         check(is_int(v) and (v >= 1 or v == -1), "config", f"mesh.{k}", v, "an int >= 1, or -1 for the devices left")
@@ -376,3 +399,4 @@ def _check_mesh(
                 sizes["expert"],
                 f"a divisor of {key}.num_experts={n}",
             )
+    return data

@@ -297,7 +297,7 @@ def compile_programs(config, built: config_lib.Built, graphdef, params, mesh) ->
         total_steps=total_steps,
         temperature=temperature,
         replay=t.routing_replay != "none",
-        microbatches=t.microbatches,
+        microbatches=built.microbatches,
         routing_diagnostics=bool(t.routing_diagnostics),
         on_policy=shares_old_forward(t, built.loss, critic_cfg),
         critic=critic_static,

@@ -22,6 +22,7 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from gspo_jax import aot  # noqa: E402
+from gspo_jax import config as config_lib  # noqa: E402
 from gspo_jax.validation import ConfigError  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A configs/<algorithm>.py[:size] file.", lock_config=True)
@@ -39,7 +40,9 @@ def main(argv):
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(aot.format_report(rows, _TOPOLOGY.value, config.train.microbatches, config.model.remat))
+    # The update's micro-batches as resolved for this slice (`config.update_microbatches`).
+    micro = config_lib.build(config, device_count=len(aot.topology_devices(_TOPOLOGY.value))).microbatches
+    print(aot.format_report(rows, _TOPOLOGY.value, micro, config.model.remat))
     if _JSON.value:
         with open(_JSON.value, "w", encoding="utf-8") as f:
             json.dump([dict(vars(r), total_bytes=r.total_bytes, fits=r.fits) for r in rows], f, indent=1)

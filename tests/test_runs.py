@@ -19,7 +19,7 @@ import pytest
 
 from gspo_jax import train, workdir
 from gspo_jax.checkpoint import Checkpointer
-from gspo_jax.config import base_config, build
+from gspo_jax.config import base_config, build, update_microbatches
 from gspo_jax.validation import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -75,6 +75,7 @@ def rows(path: Path) -> list[int]:
         ("model.batch_chunks", 3, "batch_chunks"),  # not a divisor of the batch of 8
         ("model.batch_chunks", 0, "batch_chunks"),
         ("model.logprob_chunk", -1, "logprob_chunk"),
+        ("train.microbatch_tokens", -1, "microbatch_tokens"),
         ("rollout.sampler_threads", 3, "sampler_threads"),  # not a divisor of the batch of 8
         ("rollout.sampler_threads", -1, "sampler_threads"),
     ],
@@ -112,6 +113,34 @@ def test_mesh_data_axes_must_divide_every_batch():
     c.model.num_experts = 6  # 6 experts do not split over 4 expert shards
     with pytest.raises(ConfigError, match=r"mesh.expert=4 .*a divisor of model.num_experts=6"):
         build(c)
+
+
+def test_microbatches_are_raised_to_keep_under_the_token_bound():
+    # 128 rows of 80 tokens: 64 rows hold 5,120 tokens, 32 rows 2,560.
+    assert update_microbatches(128, 80, data=1, at_least=1, max_tokens=4096) == 4
+    assert update_microbatches(128, 80, data=1, at_least=1, max_tokens=5120) == 2
+    assert update_microbatches(128, 80, data=1, at_least=8, max_tokens=4096) == 8  # never fewer than asked
+    assert update_microbatches(128, 80, data=1, at_least=1, max_tokens=0) == 1  # 0: no bound
+    assert update_microbatches(128, 80, data=4, at_least=1, max_tokens=4096) == 1  # 32 rows per device
+    assert update_microbatches(128, 80, data=4, at_least=1, max_tokens=1280) == 2  # 16 rows per device
+    assert update_microbatches(12, 80, data=1, at_least=1, max_tokens=250) == 4  # 3 rows, 240 tokens
+    # One row per device is over the bound: the finest split that still covers every device.
+    assert update_microbatches(8, 10_000, data=2, at_least=1, max_tokens=4096) == 4
+
+
+def test_build_resolves_the_updates_microbatches():
+    c = base_config("gspo", "tiny")
+    assert c.train.microbatch_tokens == 4096 and build(c).microbatches == 1  # 4 rows of 32 tokens
+    c.rollout.update(num_groups=16, group_size=8)
+    c.train.minibatches = 1
+    c.max_new_tokens = 64  # 128 rows of 24 + 64 = 88 tokens: 32 rows (2,816 tokens) per micro-batch
+    assert build(c).microbatches == 4
+    c.train.microbatch_tokens = 0
+    assert build(c).microbatches == 1
+    c.mesh.data = 4  # on 4 devices a micro-batch of 32 rows is 8 rows, 704 tokens, per device
+    c.train.microbatch_tokens = 1000
+    assert build(c, device_count=4).microbatches == 4
+    assert base_config("gspo", "qwen3_30b_a3b").train.microbatch_tokens == 0  # its AOT rows: one micro-batch
 
 
 def test_sampler_threads_are_resolved_from_the_mesh_and_refused_beside_a_bigger_one():

@@ -118,8 +118,14 @@ def test_microbatches_give_the_same_update(algorithm):
     one = Setup(c)
     c2 = small(algorithm)
     c2.model.update(lb_loss_coef=0.0, z_loss_coef=0.0)
-    c2.train.microbatches = 2
+    if algorithm == "dapo":
+        c2.train.microbatches = 2
+    else:  # two micro-batches from the token bound: half the minibatch's tokens fit, all of them do not
+        rows = c2.rollout.num_groups * c2.rollout.group_size // c2.train.minibatches
+        c2.train.microbatch_tokens = rows // 2 * (c2.prompt_len + c2.max_new_tokens)
     two = Setup(c2)
+    assert one.programs.train_step.args[0].microbatches == 1 and two.built.microbatches == 2
+    assert two.programs.train_step.args[0].microbatches == 2
     batch = minibatch(one, seed=1)
     s1, m1, _ = one.step(batch)
     s2, m2, _ = two.step(batch)
