@@ -47,15 +47,18 @@ class OptimizerConfig:
 
 
 def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
-    """optax's `clip_by_global_norm`, the same arithmetic and the same (empty) state, but it takes the
-    norm as `grad_norm=` when the caller already has it: the train step computes it for its metrics,
-    and re-reading every gradient for it again costs a pass over all of them."""
+    """Global-norm clipping with optax's (empty) state, as one scalar factor min(1, max_norm / ‖g‖)
+    multiplied in (PyTorch's `clip_grad_norm_` form): unclipped gradients pass bit for bit, clipped
+    ones within an ulp of optax's `(g / ‖g‖) · max_norm`. A per-element divide is what XLA:CPU will
+    not fuse into both moments' updates, so it wrote every clipped gradient out and read it back; a
+    multiply by a scalar it fuses. Takes the norm as `grad_norm=` when the caller has it already (the
+    train step computes it for its metrics): no second pass over the gradients."""
 
     def update(updates, state, params=None, *, grad_norm=None, **extra_args):
         del params, extra_args
         norm = optax.tree.norm(updates) if grad_norm is None else grad_norm
-        keep = norm < max_norm
-        return jax.tree.map(lambda t: jax.lax.select(keep, t, (t / norm.astype(t.dtype)) * max_norm), updates), state
+        factor = jnp.minimum(1.0, max_norm / norm)  # exactly 1 below the bound; NaN or 0 if norm is not finite
+        return jax.tree.map(lambda t: t * factor.astype(t.dtype), updates), state
 
     return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
 
