@@ -304,10 +304,10 @@ def update_microbatches(rows: int, seq_len: int, data: int, at_least: int, max_t
     `at_least` (`train.microbatches`) up, that split the rows evenly over the `data` devices and hold at
     most `max_tokens` tokens per device (0: no bound); the finest such split where none does.
 
-    On CPU the bound is also speed: XLA maps a step's temporaries afresh for every call, and on a VM
-    whose host reclaims freed memory each call faults them back in (README, Benchmarks)."""
+    On CPU the bound is also speed: XLA maps a step's temporaries afresh for every call, and where a
+    VM's host takes freed memory back, each call faults them in again (README, Benchmarks)."""
     counts = [m for m in range(at_least, rows + 1) if rows % m == 0 and rows // m % data == 0]
-    if not counts:  # `at_least` itself does not split the rows: `_check_mesh` has said so already
+    if not counts:  # no count splits the rows over the devices: `build` has refused such a config already
         return at_least
     fits = [m for m in counts if max_tokens == 0 or rows // m // data * seq_len <= max_tokens]
     return fits[0] if fits else counts[-1]
