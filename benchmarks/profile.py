@@ -7,9 +7,11 @@ profiling notes, so a change can be profiled before and after the same way.
 
 It runs the program once to warm up, traces `--calls` more calls with `jax.profiler`, reads the trace
 back (`jax.profiler.ProfileData`) and matches each op to the compiled HLO (`Compiled.as_text()`):
-- wall time per call and how busy XLA's worker threads were (the share of the traced window with 0,
-  1 or 2+ of them running an op): XLA:CPU runs one op per thread, so time with one thread busy is
-  time the second core waited on a chain of dependent ops;
+- wall time per call and how busy the threads running XLA ops were (the share of the traced window
+  with 0, 1 or 2+ of them running an op): XLA:CPU runs one op per thread, so time with one thread
+  busy is time the second core waited on a chain of dependent ops. Those threads are XLA's worker
+  pool and the PjRt client thread that starts each call and runs ops itself until it hands off
+  (how many, and which, varies from machine to machine and run to run);
 - exclusive time by op kind (the HLO name without its number: `ynn_fusion` is a matmul fused by
   YNNPACK, `wrapped_broadcast` a materialised broadcast such as a scan's zero-filled output stack);
 - the share spent in ops that are not matmuls and write at least `--big-mib` MiB: passes over
@@ -45,7 +47,8 @@ from gspo_jax.sharding import mesh_from_config
 PROGRAMS = ("train_step", "sampler")
 SHAPES = ("tiny", "default", "bench", "iteration")
 BOOKKEEPING = ("ThunkExecutor::", "SlinkyThreadPool::", "end: ")  # executor waits, not ops
-WORKER_PREFIX = "tf_XLAEigen"  # XLA:CPU's worker threads in the host plane
+# Host-plane threads that run XLA:CPU ops: its worker pool and the PjRt client thread
+OP_THREADS = ("tf_XLAEigen", "tf_XLAPjRtCpuClient")
 
 
 def _config(shape: str):
@@ -122,10 +125,13 @@ def analyse(trace_dir: str, hlo: str, calls: int, big_mib: float, top: int = 15)
     if not files:
         raise RuntimeError(f"no trace written under {trace_dir}")
     data = jax.profiler.ProfileData.from_file(str(files[-1]))
-    workers = []
+    index = _hlo_index(hlo)
+    workers, elsewhere = [], 0.0
     for plane in data.planes:
         for line in plane.lines:
-            if line.name.startswith(WORKER_PREFIX):
+            if not line.name.startswith(OP_THREADS):  # a thread this tool does not know ran ops: say so
+                elsewhere += sum(e.duration_ns for e in line.events if e.name in index) / 1e9
+            else:
                 ops = [
                     (e.start_ns, e.start_ns + e.duration_ns, e.name)
                     for e in line.events
@@ -133,8 +139,7 @@ def analyse(trace_dir: str, hlo: str, calls: int, big_mib: float, top: int = 15)
                 ]
                 workers.append(sorted(ops))
     if not any(workers):
-        raise RuntimeError("no XLA:CPU worker-thread events in the trace (this tool reads CPU traces only)")
-    index = _hlo_index(hlo)
+        raise RuntimeError("no XLA:CPU op events in the trace (this tool reads CPU traces only)")
     exclusive, by_op = collections.Counter(), collections.Counter()
     edges = []
     for ops in workers:
@@ -186,6 +191,7 @@ def analyse(trace_dir: str, hlo: str, calls: int, big_mib: float, top: int = 15)
         threads=len(workers),
         busy_share={str(k) + ("+" if k == 2 else ""): v / window for k, v in sorted(busy.items())},
         thread_seconds_per_call=busy_s / calls,
+        uncounted_op_seconds_per_call=elsewhere / calls,
         matmul_share=matmul / busy_s,
         memory_pass_share=big / busy_s,
         by_kind={k: v / calls for k, v in exclusive.most_common(top)},
@@ -211,11 +217,13 @@ def profile(program: str, shape: str, calls: int, big_mib: float, top: int = 15)
 def print_report(r: dict) -> None:
     print(
         f"{r['program']} on `{r['shape']}`: {r['untraced_seconds'] * 1e3:.1f} ms untraced, "
-        f"{r['window_seconds_per_call'] * 1e3:.1f} ms per traced call, {r['threads']} worker threads "
+        f"{r['window_seconds_per_call'] * 1e3:.1f} ms per traced call, {r['threads']} threads ran ops, "
         f"busy {r['thread_seconds_per_call'] * 1e3:.1f} thread-ms per call"
     )
+    if r["uncounted_op_seconds_per_call"]:
+        print(f"  NOT COUNTED: {r['uncounted_op_seconds_per_call'] * 1e3:.1f} ms per call of ops on other threads")
     share = ", ".join(f"{k} busy {v:.0%}" for k, v in r["busy_share"].items())
-    print(f"  time with 0 / 1 / 2+ worker threads running an op: {share}")
+    print(f"  time with 0 / 1 / 2+ threads running an op: {share}")
     print(
         f"  matmuls {r['matmul_share']:.0%} of thread time; "
         f"non-matmul ops writing big buffers {r['memory_pass_share']:.0%}"
