@@ -9,9 +9,10 @@ It runs the program once to warm up, traces `--calls` more calls with `jax.profi
 back (`jax.profiler.ProfileData`) and matches each op to the compiled HLO (`Compiled.as_text()`):
 - wall time per call and how busy the threads running XLA ops were (the share of the traced window
   with 0, 1 or 2+ of them running an op): XLA:CPU runs one op per thread, so time with one thread
-  busy is time the second core waited on a chain of dependent ops. Those threads are XLA's worker
-  pool and the PjRt client thread that starts each call and runs ops itself until it hands off
-  (how many, and which, varies from machine to machine and run to run);
+  busy is time the second core waited on a chain of dependent ops. Those threads are every one
+  whose trace holds the program's ops, by name: XLA's worker pool, and the PjRt client thread that
+  starts each call and runs ops itself until it hands off (which thread runs what varies from
+  machine to machine and run to run; CI once had a sampler's every matmul on the client thread);
 - exclusive time by op kind (the HLO name without its number: `ynn_fusion` is a matmul fused by
   YNNPACK, `wrapped_broadcast` a materialised broadcast such as a scan's zero-filled output stack);
 - the share spent in ops that are not matmuls and write at least `--big-mib` MiB: passes over
@@ -47,8 +48,6 @@ from gspo_jax.sharding import mesh_from_config
 PROGRAMS = ("train_step", "sampler")
 SHAPES = ("tiny", "default", "bench", "iteration")
 BOOKKEEPING = ("ThunkExecutor::", "SlinkyThreadPool::", "end: ")  # executor waits, not ops
-# Host-plane threads that run XLA:CPU ops: its worker pool and the PjRt client thread
-OP_THREADS = ("tf_XLAEigen", "tf_XLAPjRtCpuClient")
 
 
 def _config(shape: str):
@@ -126,15 +125,14 @@ def analyse(trace_dir: str, hlo: str, calls: int, big_mib: float, top: int = 15)
         raise RuntimeError(f"no trace written under {trace_dir}")
     data = jax.profiler.ProfileData.from_file(str(files[-1]))
     index = _hlo_index(hlo)
-    workers, elsewhere = [], 0.0
+    workers = []
     for plane in data.planes:
         for line in plane.lines:
-            if not line.name.startswith(OP_THREADS):  # a thread this tool does not know ran ops: say so
-                elsewhere += sum(e.duration_ns for e in line.events if e.name in index) / 1e9
-            else:
+            events = list(line.events)
+            if any(e.name in index for e in events):  # a thread that ran the program's ops, whatever its name
                 ops = [
                     (e.start_ns, e.start_ns + e.duration_ns, e.name)
-                    for e in line.events
+                    for e in events
                     if not e.name.startswith(BOOKKEEPING)
                 ]
                 workers.append(sorted(ops))
@@ -191,7 +189,6 @@ def analyse(trace_dir: str, hlo: str, calls: int, big_mib: float, top: int = 15)
         threads=len(workers),
         busy_share={str(k) + ("+" if k == 2 else ""): v / window for k, v in sorted(busy.items())},
         thread_seconds_per_call=busy_s / calls,
-        uncounted_op_seconds_per_call=elsewhere / calls,
         matmul_share=matmul / busy_s,
         memory_pass_share=big / busy_s,
         by_kind={k: v / calls for k, v in exclusive.most_common(top)},
@@ -220,8 +217,6 @@ def print_report(r: dict) -> None:
         f"{r['window_seconds_per_call'] * 1e3:.1f} ms per traced call, {r['threads']} threads ran ops, "
         f"busy {r['thread_seconds_per_call'] * 1e3:.1f} thread-ms per call"
     )
-    if r["uncounted_op_seconds_per_call"]:
-        print(f"  NOT COUNTED: {r['uncounted_op_seconds_per_call'] * 1e3:.1f} ms per call of ops on other threads")
     share = ", ".join(f"{k} busy {v:.0%}" for k, v in r["busy_share"].items())
     print(f"  time with 0 / 1 / 2+ threads running an op: {share}")
     print(
