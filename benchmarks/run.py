@@ -17,6 +17,9 @@ Sections:
              evaluation, checkpoint + logging), with drift on every sequence, every 4th, or off; the
              compiles after warm-up and the time to the first finished iteration, cold and with the
              persistent compilation cache filled by a previous run
+  scaling    one RL iteration of the default config split into everything a run spends time on
+             (rollout, log-probs, updates, drift, host work, evaluation, checkpoint, logging), with
+             group size and completion length varied one at a time
   diagnostics  the default config's iteration with drift and routing diagnostics on, drift only, and
              both off: the share of an iteration the research instruments cost
   critic     PPO's extra cost on the default config: the train step with and without the critic's
@@ -59,7 +62,7 @@ from gspo_jax.rollout import RolloutConfig
 from gspo_jax.sampler import Sampler, left_pad, sample_logits
 from gspo_jax.sharding import make_mesh, mesh_from_config, under_mesh
 
-SECTIONS = ("peak", "train", "loss", "moe", "sampler", "iteration", "diagnostics", "critic")
+SECTIONS = ("peak", "train", "loss", "moe", "sampler", "iteration", "scaling", "diagnostics", "critic")
 RESULTS = Path(__file__).with_name("results.json")
 
 
@@ -407,6 +410,79 @@ def _median_iteration(c) -> dict:
     return dict(seconds=float(np.median(wall)), split={k: float(np.median([r[k] for r in warm])) for k in SPLIT})
 
 
+SCALING = {  # group sizes and completion lengths tried, one varied at a time (the other as configured)
+    "full": dict(group_size=(4, 8, 16), max_new_tokens=(6, 12, 24)),
+    "tiny": dict(group_size=(4, 8), max_new_tokens=(8, 16)),
+}
+EVERY = 2  # the scaling runs evaluate and checkpoint every 2nd iteration: both measured in place
+
+
+def whole_split(rows: list[dict], every: int) -> dict:
+    """Every part of a run's time per compiled iteration (steps 2..), from the metrics rows of a run
+    that evaluated and saved every `every` iterations: the iteration's own timers (rollout,
+    log-probs, updates, drift, and the host work between them), evaluation by its timer, and, from
+    the wall time between rows beyond those timers, logging (after a step that was not saved) and
+    the save (after one that was, less logging: an asynchronous save blocks the run this long)."""
+    by_step = {r["step"]: r for r in rows}
+    steps = [s for s in sorted(by_step) if s >= 2]
+    med = lambda xs: float(np.median(list(xs)))
+    own = lambda s: by_step[s]["iteration_seconds"] + by_step[s].get("eval_seconds", 0.0)
+    beyond = {s: by_step[s]["time"] - by_step[s - 1]["time"] - own(s) for s in steps}
+    out = {k: med(by_step[s][k] for s in steps) for k in SPLIT}
+    out["host_seconds"] = med(by_step[s]["iteration_seconds"] - sum(by_step[s][k] for k in SPLIT) for s in steps)
+    out["evaluation_seconds"] = med(by_step[s]["eval_seconds"] for s in steps if "eval_seconds" in by_step[s])
+    out["logging_seconds"] = med(beyond[s] for s in steps if (s - 1) % every)
+    out["checkpoint_seconds"] = max(med(beyond[s] for s in steps if (s - 1) % every == 0) - out["logging_seconds"], 0.0)
+    return out
+
+
+def iteration_scaling(size: str, repeats: int) -> dict:
+    """One RL iteration of the default config split into everything a run spends time on, and how it
+    grows with group size and completion length. `seconds` is the iteration alone (what
+    `iteration_seconds` logs); `seconds_at_config_cadence` adds logging and evaluation and saves
+    amortised at the config's own `eval_every` / `checkpoint_every`."""
+    del repeats
+    rows = []
+    base = run_config("gspo", size)
+    G, C = base.rollout.group_size, base.max_new_tokens
+    grid = SCALING[size]
+    shapes = (
+        [(G, C)] + [(g, C) for g in grid["group_size"] if g != G] + [(G, n) for n in grid["max_new_tokens"] if n != C]
+    )
+    for g, n in shapes:
+        c = run_config("gspo", size)
+        c.rollout.group_size, c.max_new_tokens = g, n
+        c.warm_start.steps = 0
+        c.train.update(num_iterations=6 if size == "tiny" else 12, eval_every=EVERY, checkpoint_every=EVERY)
+        run, _ = _run_iterations(c, cold=False)
+        split = whole_split(run, EVERY)
+        seconds = float(np.median([r["iteration_seconds"] for r in run if r["step"] >= 2]))
+        cadence = seconds + split["logging_seconds"]
+        cadence += (
+            split["evaluation_seconds"] / base.train.eval_every
+            + split["checkpoint_seconds"] / base.train.checkpoint_every
+        )
+        rows.append(
+            dict(
+                group_size=g,
+                max_new_tokens=n,
+                sequences=c.rollout.num_groups * g,
+                completion_len_mean=float(np.mean([r["completion_len_mean"] for r in run if r["step"] >= 2])),
+                seconds=seconds,
+                seconds_at_config_cadence=cadence,
+                split=split,
+                compiles_after_warmup=int(sum(r["xla_compiles"] for r in run if r["step"] >= 2)),
+            )
+        )
+    return dict(
+        group_size=G,
+        max_new_tokens=C,
+        eval_every=base.train.eval_every,
+        checkpoint_every=base.train.checkpoint_every,
+        rows=rows,
+    )
+
+
 def diagnostics_cost(size: str, repeats: int) -> dict:
     """What the research instruments cost on the default config, measured where each one runs: the
     drift pass (its own timer, inside a run with everything on) and the routing split inside the
@@ -564,6 +640,16 @@ def main():
             f"{cache['seconds_to_first_iteration_cold']:.1f} s, filled by a previous run "
             f"{cache['seconds_to_first_iteration_warm']:.1f} s"
         )
+    if "scaling" in sections:
+        results["scaling"] = sc = iteration_scaling(args.size, repeats)
+        for r in sc["rows"]:
+            parts = ", ".join(f"{k.removesuffix('_seconds')} {v:.3f}" for k, v in r["split"].items())
+            print(
+                f"iteration, {'tiny' if args.size == 'tiny' else 'default'} config, group size {r['group_size']}, "
+                f"up to {r['max_new_tokens']} new tokens ({r['sequences']} sequences, mean length "
+                f"{r['completion_len_mean']:.1f}): {r['seconds']:.3f} s, {r['seconds_at_config_cadence']:.3f} s with "
+                f"evaluation every {sc['eval_every']} and a save every {sc['checkpoint_every']} ({parts})"
+            )
     if "diagnostics" in sections:
         results["diagnostics"] = d = diagnostics_cost(args.size, repeats)
         print(

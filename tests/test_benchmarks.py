@@ -60,6 +60,22 @@ def test_runner_produces_every_figure(tmp_path):
             "other_seconds",
         }
         assert it["compiles_after_warmup"] == 0  # fixed shapes: nothing compiles after the first iteration
+    sc = res["scaling"]  # the default (here tiny) config's iteration, every part, by group size and length
+    G, C = sc["group_size"], sc["max_new_tokens"]
+    assert [(r["group_size"], r["max_new_tokens"]) for r in sc["rows"]] == [(G, C), (2 * G, C), (G, 2 * C)]
+    for r in sc["rows"]:
+        assert set(r["split"]) == {
+            *SPLIT,
+            "host_seconds",
+            "evaluation_seconds",
+            "logging_seconds",
+            "checkpoint_seconds",
+        }
+        assert all(positive(r["split"][k]) for k in (*SPLIT, "evaluation_seconds", "logging_seconds")), r["split"]
+        assert r["split"]["checkpoint_seconds"] >= 0 and r["compiles_after_warmup"] == 0
+        assert r["split"]["host_seconds"] >= 0  # the four parts lie inside the iteration's own timer
+        assert r["seconds_at_config_cadence"] > r["seconds"] and 0 < r["completion_len_mean"] <= r["max_new_tokens"]
+    assert [r["sequences"] for r in sc["rows"]] == [sc["rows"][0]["sequences"] * k for k in (1, 2, 1)]
     d = res["diagnostics"]
     assert all(positive(d[k]["seconds"]) for k in ("on", "off"))
     assert positive(d["on"]["split"]["drift_seconds"]) and set(d["on"]["split"]) == set(SPLIT)
@@ -101,3 +117,23 @@ def test_profiler_accounts_for_the_traced_time(tmp_path, program):
     assert len(matched) >= 0.9 * len(rep["slowest"])  # trace events carry the compiled HLO's names
     assert any("dot_general" in o["source"] for o in rep["slowest"])  # and its JAX source ops
     assert "Traceback" not in r.stderr and "ms per traced call" in r.stdout
+
+
+def test_whole_split_reads_every_part_off_the_rows():
+    """Hand-made rows of a run that evaluated and saved every 2nd iteration: iterations take 1.0 s
+    (0.4 rollout, 0.1 log-probs, 0.3 update, 0.1 drift, 0.1 host), evaluation 0.5 s, logging 0.02 s,
+    and a save blocks 0.25 s after each saved step; step 1 (compiling) is left out."""
+    from benchmarks.run import whole_split
+
+    parts = dict(rollout_seconds=0.4, logprob_seconds=0.1, update_seconds=0.3, drift_seconds=0.1)
+    rows, t = [{"step": 0, "time": 0.0}], 0.0
+    for step in range(1, 9):
+        row = {"step": step, **parts, "iteration_seconds": 1.0 if step > 1 else 30.0}
+        t += row["iteration_seconds"] + 0.02 + (0.25 if step > 1 and (step - 1) % 2 == 0 else 0.0)
+        if step % 2 == 0:
+            row["eval_seconds"] = 0.5
+            t += 0.5
+        rows.append({**row, "time": t})
+    out = whole_split(rows, every=2)
+    expected = {**parts, "host_seconds": 0.1, "evaluation_seconds": 0.5, "logging_seconds": 0.02}
+    assert out == pytest.approx({**expected, "checkpoint_seconds": 0.25})
