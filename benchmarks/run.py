@@ -419,28 +419,32 @@ EVERY = 2  # the scaling runs evaluate and checkpoint every 2nd iteration: both 
 
 def whole_split(rows: list[dict], every: int) -> dict:
     """Every part of a run's time per compiled iteration (steps 2..), from the metrics rows of a run
-    that evaluated and saved every `every` iterations: the iteration's own timers (rollout,
-    log-probs, updates, drift, and the host work between them), evaluation by its timer, and, from
-    the wall time between rows beyond those timers, logging (after a step that was not saved) and
-    the save (after one that was, less logging: an asynchronous save blocks the run this long)."""
+    that evaluated and saved every `every` iterations. An iteration right after a save is slower
+    (the save's asynchronous write shares the cores with it), so the iteration's own timers
+    (rollout, log-probs, updates, drift, and the host work between them) and logging (the wall time
+    between rows beyond the iteration and evaluation timers) come from the iterations that do not
+    follow one; evaluation from its timer; a save is the extra wall time of an iteration after one:
+    what it blocks, and what its write takes from the next iteration."""
     by_step = {r["step"]: r for r in rows}
-    steps = [s for s in sorted(by_step) if s >= 2]
     med = lambda xs: float(np.median(list(xs)))
-    own = lambda s: by_step[s]["iteration_seconds"] + by_step[s].get("eval_seconds", 0.0)
-    beyond = {s: by_step[s]["time"] - by_step[s - 1]["time"] - own(s) for s in steps}
-    out = {k: med(by_step[s][k] for s in steps) for k in SPLIT}
-    out["host_seconds"] = med(by_step[s]["iteration_seconds"] - sum(by_step[s][k] for k in SPLIT) for s in steps)
-    out["evaluation_seconds"] = med(by_step[s]["eval_seconds"] for s in steps if "eval_seconds" in by_step[s])
-    out["logging_seconds"] = med(beyond[s] for s in steps if (s - 1) % every)
-    out["checkpoint_seconds"] = max(med(beyond[s] for s in steps if (s - 1) % every == 0) - out["logging_seconds"], 0.0)
+    wall = {
+        s: by_step[s]["time"] - by_step[s - 1]["time"] - by_step[s].get("eval_seconds", 0.0) for s in by_step if s >= 2
+    }
+    plain = [s for s in wall if (s - 1) % every]
+    after_save = [s for s in wall if (s - 1) % every == 0]
+    out = {k: med(by_step[s][k] for s in plain) for k in SPLIT}
+    out["host_seconds"] = med(by_step[s]["iteration_seconds"] - sum(by_step[s][k] for k in SPLIT) for s in plain)
+    out["evaluation_seconds"] = med(r["eval_seconds"] for s, r in by_step.items() if s >= 2 and "eval_seconds" in r)
+    out["logging_seconds"] = med(wall[s] - by_step[s]["iteration_seconds"] for s in plain)
+    out["checkpoint_seconds"] = med(wall[s] for s in after_save) - med(wall[s] for s in plain)
     return out
 
 
 def iteration_scaling(size: str, repeats: int) -> dict:
     """One RL iteration of the default config split into everything a run spends time on, and how it
     grows with group size and completion length. `seconds` is the iteration alone (what
-    `iteration_seconds` logs); `seconds_at_config_cadence` adds logging and evaluation and saves
-    amortised at the config's own `eval_every` / `checkpoint_every`."""
+    `iteration_seconds` logs, where no save precedes it); `seconds_at_config_cadence` adds logging,
+    and evaluation and saves amortised at the config's own `eval_every` / `checkpoint_every`."""
     del repeats
     rows = []
     base = run_config("gspo", size)
@@ -456,7 +460,7 @@ def iteration_scaling(size: str, repeats: int) -> dict:
         c.train.update(num_iterations=6 if size == "tiny" else 12, eval_every=EVERY, checkpoint_every=EVERY)
         run, _ = _run_iterations(c, cold=False)
         split = whole_split(run, EVERY)
-        seconds = float(np.median([r["iteration_seconds"] for r in run if r["step"] >= 2]))
+        seconds = float(np.median([r["iteration_seconds"] for r in run if r["step"] >= 2 and (r["step"] - 1) % EVERY]))
         cadence = seconds + split["logging_seconds"]
         cadence += (
             split["evaluation_seconds"] / base.train.eval_every
