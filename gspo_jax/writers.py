@@ -64,9 +64,10 @@ class MetricWriter:
             raise ValueError(f"metric names {clash} are reserved")
         values = {k: _to_number(k, v) for k, v in jax.device_get(dict(metrics)).items()}
         self._append(METRICS_FILE, {"step": int(step), "time": time.time(), **values})
-        if self._tb is not None:
+        if self._tb is not None:  # an undefined metric (NaN: e.g. no flipped tokens yet) is a gap in its chart
             for k, v in values.items():
-                self._tb.add_scalar(k, v, int(step))
+                if math.isfinite(v):
+                    self._tb.add_scalar(k, v, int(step))
             self._tb.flush()
 
     def write_text(self, step: int, name: str, text: str) -> None:
