@@ -30,6 +30,8 @@ def test_runner_produces_every_figure(tmp_path):
     )
     assert r.returncode == 0, r.stderr[-3000:]
     res = json.loads(out.read_text())
+    table = r.stdout[r.stdout.index("\nfigure ") : r.stdout.index("\nwrote ")].splitlines()[2:]  # targets
+    assert len(table) == 10 and all(line.endswith((" yes", " no")) for line in table), table  # no `bench` at tiny
     positive = lambda x: isinstance(x, (int, float)) and math.isfinite(x) and x > 0
     assert positive(res["peak"]["flops_per_s"])
     assert all(positive(v["mfu"]) and positive(v["flops"]) for v in res["train"].values())
@@ -141,3 +143,39 @@ def test_whole_split_reads_every_part_off_the_rows():
     out = whole_split(rows, every=2)
     expected = {**parts, "host_seconds": 0.1, "evaluation_seconds": 0.5, "logging_seconds": 0.02}
     assert out == pytest.approx({**expected, "checkpoint_seconds": 0.32})
+
+
+def test_targets_are_judged_from_the_results():
+    """The closing table marks each target met or not from the figures, with hand-made results."""
+    from benchmarks.run import targets
+
+    res = {
+        "train": {"default": {"mfu": 0.21}, "bench": {"mfu": 0.349}},
+        "sampler": {
+            "batch": 64,
+            "speedup_vs_naive": 15.0,
+            "by_batch": [{"batch": b, "tokens_per_s": t} for b, t in ((8, 1.0), (64, 3.0), (128, 2.0), (256, 9.0))],
+        },
+        "iteration": {
+            "drift_on": {
+                "seconds": 2.9,
+                "split": dict(rollout_seconds=1.0, logprob_seconds=0.1, update_seconds=0.9, drift_seconds=0.9),
+                "compiles_after_warmup": 0,
+                "seconds_to_first_iteration": 10.5,
+            },
+            "drift_off": {"compiles_after_warmup": 1},
+            "compilation_cache": {"seconds_to_first_iteration_warm": 6.0},
+        },
+    }
+    met = {figure: ok for figure, _, _, ok in targets(res)}
+    assert met == {
+        "train-step MFU, default": True,
+        "train-step MFU, bench": False,
+        "sampler at batch 64 against the naive decoder": True,
+        "decode tokens/s rising with batch up to 128": False,  # 64 -> 128 fell; 256 is past the target's range
+        "one RL iteration, `iteration` shape, drift on": True,
+        "its largest part": True,
+        "compiles during iterations 2..5": False,
+        "first finished iteration, empty compilation cache": False,
+        "first finished iteration, cache filled by a previous run": True,
+    }
