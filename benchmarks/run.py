@@ -420,14 +420,14 @@ SCALING = {  # group sizes and completion lengths tried, one varied at a time (t
 EVERY = 2  # the scaling runs evaluate and checkpoint every 2nd iteration: both measured in place
 
 
-def whole_split(rows: list[dict], every: int) -> dict:
-    """Every part of a run's time per compiled iteration (steps 2..), from the metrics rows of a run
-    that evaluated and saved every `every` iterations. An iteration right after a save is slower
-    (the save's asynchronous write shares the cores with it), so the iteration's own timers
-    (rollout, log-probs, updates, drift, and the host work between them) and logging (the wall time
-    between rows beyond the iteration and evaluation timers) come from the iterations that do not
-    follow one; evaluation from its timer; a save is the extra wall time of an iteration after one:
-    what it blocks, and what its write takes from the next iteration."""
+def whole_split(rows: list[dict], every: int) -> tuple[float, dict]:
+    """(an iteration's seconds, every part of a run's time per compiled iteration (steps 2..)) from
+    the metrics rows of a run that evaluated and saved every `every` iterations. An iteration right
+    after a save is slower (the save's asynchronous write shares the cores with it), so the
+    iteration's own timers (rollout, log-probs, updates, drift, and the host work between them) and
+    logging (the wall time between rows beyond the iteration and evaluation timers) come from the
+    iterations that do not follow one; evaluation from its timer; a save is the extra wall time of
+    an iteration after one: what it blocks, and what its write takes from the next iteration."""
     by_step = {r["step"]: r for r in rows}
     med = lambda xs: float(np.median(list(xs)))
     wall = {
@@ -440,7 +440,7 @@ def whole_split(rows: list[dict], every: int) -> dict:
     out["evaluation_seconds"] = med(r["eval_seconds"] for s, r in by_step.items() if s >= 2 and "eval_seconds" in r)
     out["logging_seconds"] = med(wall[s] - by_step[s]["iteration_seconds"] for s in plain)
     out["checkpoint_seconds"] = med(wall[s] for s in after_save) - med(wall[s] for s in plain)
-    return out
+    return med(by_step[s]["iteration_seconds"] for s in plain), out
 
 
 def iteration_scaling(size: str, repeats: int) -> dict:
@@ -462,8 +462,7 @@ def iteration_scaling(size: str, repeats: int) -> dict:
         c.warm_start.steps = 0
         c.train.update(num_iterations=6 if size == "tiny" else 12, eval_every=EVERY, checkpoint_every=EVERY)
         run, _ = _run_iterations(c, cold=False)
-        split = whole_split(run, EVERY)
-        seconds = float(np.median([r["iteration_seconds"] for r in run if r["step"] >= 2 and (r["step"] - 1) % EVERY]))
+        seconds, split = whole_split(run, EVERY)
         cadence = seconds + split["logging_seconds"]
         cadence += (
             split["evaluation_seconds"] / base.train.eval_every

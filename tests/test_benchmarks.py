@@ -140,9 +140,9 @@ def test_whole_split_reads_every_part_off_the_rows():
             row["eval_seconds"] = 0.5
             t += 0.5
         rows.append({**row, "time": t})
-    out = whole_split(rows, every=2)
+    seconds, out = whole_split(rows, every=2)
     expected = {**parts, "host_seconds": 0.1, "evaluation_seconds": 0.5, "logging_seconds": 0.02}
-    assert out == pytest.approx({**expected, "checkpoint_seconds": 0.32})
+    assert out == pytest.approx({**expected, "checkpoint_seconds": 0.32}) and seconds == pytest.approx(1.0)
 
 
 def test_targets_are_judged_from_the_results():
