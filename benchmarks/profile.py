@@ -12,7 +12,7 @@ back (`jax.profiler.ProfileData`) and matches each op to the compiled HLO (`Comp
   busy is time the second core waited on a chain of dependent ops. Those threads are every one
   whose trace holds the program's ops, by name: XLA's worker pool, and the PjRt client thread that
   starts each call and runs ops itself until it hands off (which thread runs what varies from
-  machine to machine and run to run; CI once had a sampler's every matmul on the client thread);
+  machine to machine and run to run: in one CI run none of a sampler's matmuls ran on the pool);
 - exclusive time by op kind (the HLO name without its number: `ynn_fusion` is a matmul fused by
   YNNPACK, `wrapped_broadcast` a materialised broadcast such as a scan's zero-filled output stack);
 - the share spent in ops that are not matmuls and write at least `--big-mib` MiB: passes over

@@ -66,7 +66,7 @@ class MetricWriter:
         self._append(METRICS_FILE, {"step": int(step), "time": time.time(), **values})
         if self._tb is not None:  # an undefined metric (NaN: e.g. no flipped tokens yet) is a gap in its chart
             for k, v in values.items():
-                if math.isfinite(v):
+                if not math.isnan(v):  # an infinity is a real blow-up: charted
                     self._tb.add_scalar(k, v, int(step))
             self._tb.flush()
 
