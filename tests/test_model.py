@@ -442,7 +442,7 @@ def test_init_is_one_program_and_seeded(compile_counter):
     assert not np.allclose(w[0], w[1])
 
 
-def test_init_at_fast_compile_options_draws_the_same_bits():
+def test_init_at_fast_compile_options_draws_the_same_bits(fully_optimised):
     # model.init compiles at compiles.run_once_options() (LLVM -O1 on CPU): the draw must not change.
     cfg = model_lib.get_config("tiny", num_layers=2)
     lowered = jax.jit(model_lib._random_state, static_argnums=0).lower(cfg, np.int32(0))
