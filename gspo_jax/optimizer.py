@@ -104,8 +104,10 @@ def all_finite(*trees) -> jax.Array:
 def _finite_per_parameter(params, opt_state) -> jax.Array:
     """`all_finite(params, opt_state)` as one boolean reduction per parameter over it and its moments
     (the subtrees of `opt_state` shaped like `params`): XLA fuses the update into it, so it reads each
-    input once and writes nothing. (A float sum here, like `all_finite`'s, becomes a YNNPACK fusion
-    that first writes every broadcast scalar out as a full array: the update 3× slower on `bench`.)"""
+    input once and writes one boolean per element at most (XLA:CPU splits a large leaf's reduction
+    into a written mask, a reduce-window and a reduce). (A float sum here, like `all_finite`'s, becomes
+    a YNNPACK fusion that first writes every broadcast scalar out as a full array: the update 3× slower
+    on `bench`.)"""
     treedef = jax.tree.structure(params)
     like = lambda x: jax.tree.structure(x) == treedef
     subtrees = [t for t in jax.tree.leaves(opt_state, is_leaf=like) if like(t)]
