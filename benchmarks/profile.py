@@ -242,6 +242,8 @@ def main():
     args = ap.parse_args()
     if args.calls < 1:
         ap.error(f"--calls {args.calls}: must be at least 1")
+    if args.shape != "tiny" and jax.config.values["jax_disable_most_optimizations"]:
+        ap.error("JAX_DISABLE_MOST_OPTIMIZATIONS is on (the test suite's setting): unset it, or use --shape tiny")
     r = profile(args.program, args.shape, args.calls, args.big_mib, args.top)
     print_report(r)
     if args.out:

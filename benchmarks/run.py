@@ -635,11 +635,17 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
+    if args.size != "tiny" and jax.config.values["jax_disable_most_optimizations"]:
+        ap.error(
+            "JAX_DISABLE_MOST_OPTIMIZATIONS is on (the test suite's setting): the figures are of optimised "
+            "programs; unset it, or run --size tiny"
+        )
     sections = args.only or SECTIONS
     repeats = 1 if args.size == "tiny" else args.repeats
     results = dict(machine=f"{platform.node()} {platform.machine()}, {jax.device_count()} {jax.devices()[0].platform}")
     results["jax"] = jax.__version__
     results["glibc_tunables"] = os.environ.get("GLIBC_TUNABLES", "")  # huge pages or not: see host_memory
+    results["jax_disable_most_optimizations"] = bool(jax.config.values["jax_disable_most_optimizations"])
     results["peak"] = peak(args.size, repeats)
     flops = results["peak"]["flops_per_s"]
     print(f"peak float32 matmul: {flops / 1e9:.1f} GFLOP/s ({results['machine']})")

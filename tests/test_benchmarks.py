@@ -121,6 +121,24 @@ def test_profiler_accounts_for_the_traced_time(tmp_path, program):
     assert "Traceback" not in r.stderr and "ms per traced call" in r.stdout
 
 
+@pytest.mark.parametrize("module", ["benchmarks.run", "benchmarks.profile"])
+def test_figures_are_refused_from_programs_compiled_without_optimizations(tmp_path, module):
+    """The suite's JAX_DISABLE_MOST_OPTIMIZATIONS (conftest), left on in a shell, would make every
+    figure of a full run wrong: refused before anything runs, naming it, nothing written."""
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", "JAX_DISABLE_MOST_OPTIMIZATIONS": "1"}
+    out = tmp_path / "r.json"
+    r = subprocess.run(
+        [sys.executable, "-m", module, "--out", str(out)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 2 and "JAX_DISABLE_MOST_OPTIMIZATIONS is on" in r.stderr, r.stderr[-2000:]
+    assert not out.exists()
+
+
 def test_whole_split_reads_every_part_off_the_rows():
     """Hand-made rows of a run that evaluated and saved every 2nd iteration: iterations take 1.0 s
     (0.4 rollout, 0.1 log-probs, 0.3 update, 0.1 drift, 0.1 host), 1.07 s right after a save (its
