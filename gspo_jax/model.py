@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.experimental.layout import Layout, with_layout_constraint
 
 from gspo_jax import compiles, moe, sharding
 from gspo_jax.losses import sequence_logprobs_from_hidden
@@ -281,6 +282,28 @@ def _fan_in(in_axis, out_axis):
     return nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis)
 
 
+@jax.custom_vjp
+def row_major_cotangent(x: jax.Array) -> jax.Array:
+    """The identity, whose cotangent XLA:CPU must lay out row-major. Put on a projection's output: XLA
+    otherwise fuses the elementwise backward of what follows (a norm, SwiGLU) with the transpose the
+    weight gradient's matmul wants, a strided loop over every operand (6 ms on a [1152, 512] array);
+    kept apart, that backward runs in order and the transpose copies one array. Other backends: the
+    identity, cotangent included."""
+    return x
+
+
+def _row_major_fwd(x):
+    return x, None
+
+
+def _row_major_bwd(_, ct):
+    row_major = Layout(tuple(range(ct.ndim)))
+    return (jax.lax.platform_dependent(ct, cpu=lambda c: with_layout_constraint(c, row_major), default=lambda c: c),)
+
+
+row_major_cotangent.defvjp(_row_major_fwd, _row_major_bwd)
+
+
 class RMSNorm(nnx.Module):
     """x / rms(x) * scale, normalised in float32 (HF Qwen3/Mixtral RMSNorm)."""
 
@@ -355,6 +378,7 @@ class Attention(nnx.Module):
         q_BTHW = jnp.einsum("btd,dhw->bthw", x_BTD, self.q_proj[...].astype(dtype))
         k_BTJW = jnp.einsum("btd,djw->btjw", x_BTD, self.k_proj[...].astype(dtype))
         v_BTJW = jnp.einsum("btd,djw->btjw", x_BTD, self.v_proj[...].astype(dtype))
+        q_BTHW, k_BTJW = row_major_cotangent(q_BTHW), row_major_cotangent(k_BTJW)
         if cfg.qk_norm:
             q_BTHW, k_BTJW = self.q_norm(q_BTHW), self.k_norm(k_BTJW)
         q_BTHW, k_BTJW = rotate(q_BTHW, rope), rotate(k_BTJW, rope)
@@ -400,7 +424,9 @@ class MLP(nnx.Module):
 
     def __call__(self, x_BTD):
         dtype = x_BTD.dtype
-        h_BTF = jax.nn.silu(x_BTD @ self.gate_proj[...].astype(dtype)) * (x_BTD @ self.up_proj[...].astype(dtype))
+        g_BTF = row_major_cotangent(x_BTD @ self.gate_proj[...].astype(dtype))
+        u_BTF = row_major_cotangent(x_BTD @ self.up_proj[...].astype(dtype))
+        h_BTF = jax.nn.silu(g_BTF) * u_BTF
         return h_BTF @ self.down_proj[...].astype(dtype)
 
 

@@ -2,6 +2,7 @@
 
 import dataclasses
 import functools
+import re
 
 import chex
 import jax
@@ -452,6 +453,34 @@ def test_init_at_fast_compile_options_draws_the_same_bits(fully_optimised):
     for a, b, c in zip(jax.tree.leaves(default), jax.tree.leaves(fast), jax.tree.leaves(used), strict=True):
         np.testing.assert_array_equal(a, b)
         np.testing.assert_array_equal(a, c)
+
+
+def _loop_fusions_that_transpose_and_compute(hlo: str) -> list[str]:
+    names = []
+    for m in re.finditer(r"^\s+%(\S+) = \S+ fusion\(.*?\), kind=kLoop, calls=(%[\w.\-]+)", hlo, re.M):
+        body = re.search(r"^" + re.escape(m.group(2)) + r" \(.*?\n\}", hlo, re.M | re.S).group(0)
+        if " transpose(" in body and re.search(r" (multiply|add|subtract)\(", body):
+            names.append(m.group(1))
+    return names
+
+
+def test_row_major_cotangent_is_the_identity_and_unfuses_the_weight_gradients_transpose():
+    # A projection followed by a norm, as q and k are: without the helper XLA:CPU computes the norm's
+    # backward inside the transposed copy the weight gradient's matmul reads (a strided loop).
+    def loss(w, x, c, helper):
+        y = jnp.einsum("btd,dhw->bthw", x, w)
+        y = model_lib.row_major_cotangent(y) if helper else y
+        return jnp.sum(jnp.sin(y * jax.lax.rsqrt(jnp.mean(y * y, -1, keepdims=True) + 1e-6)) * c)
+
+    k = jax.random.split(jax.random.key(0), 3)
+    w, x, c = (jax.random.normal(kk, s) for kk, s in zip(k, [(64, 4, 16), (4, 36, 64), (4, 36, 4, 16)]))
+    grad = jax.jit(jax.value_and_grad(loss), static_argnums=3)
+    (v0, g0), (v1, g1) = grad(w, x, c, False), grad(w, x, c, True)
+    assert v0 == v1
+    np.testing.assert_array_equal(g0, g1)
+    assert jax.default_backend() == "cpu"  # the suite's backend; elsewhere the helper is the identity only
+    assert _loop_fusions_that_transpose_and_compute(grad.lower(w, x, c, False).compile().as_text())
+    assert not _loop_fusions_that_transpose_and_compute(grad.lower(w, x, c, True).compile().as_text())
 
 
 class TestSparseDispatch(chex.TestCase):
