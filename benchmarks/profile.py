@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.run import _pieces, bench_config, iteration_config, random_batch
+from benchmarks.run import _pieces, bench_config, iteration_config, random_batch, refuse_unoptimised
 from gspo_jax import train
 from gspo_jax.host_memory import reexec_with_huge_pages
 from gspo_jax.sampler import Sampler, left_pad
@@ -242,8 +242,8 @@ def main():
     args = ap.parse_args()
     if args.calls < 1:
         ap.error(f"--calls {args.calls}: must be at least 1")
-    if args.shape != "tiny" and jax.config.values["jax_disable_most_optimizations"]:
-        ap.error("JAX_DISABLE_MOST_OPTIMIZATIONS is on (the test suite's setting): unset it, or use --shape tiny")
+    if args.shape != "tiny":
+        refuse_unoptimised(ap, "--shape tiny")
     r = profile(args.program, args.shape, args.calls, args.big_mib, args.top)
     print_report(r)
     if args.out:

@@ -628,6 +628,16 @@ def print_targets(results: dict) -> None:
         print(f"{figure:{width}}  {value:>10}  {target:>9}  {'yes' if met else 'no'}")
 
 
+def refuse_unoptimised(ap: argparse.ArgumentParser, tiny_flag: str) -> None:
+    """Exit with a usage error if JAX_DISABLE_MOST_OPTIMIZATIONS (the test suite's setting) is on: every
+    figure of a full-size run would be of programs compiled without LLVM's optimizations."""
+    if jax.config.values["jax_disable_most_optimizations"]:
+        ap.error(
+            "JAX_DISABLE_MOST_OPTIMIZATIONS is on (the test suite's setting): the figures are of optimised "
+            f"programs; unset it, or run {tiny_flag}"
+        )
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--only", action="append", choices=SECTIONS, help="run only these sections")
@@ -635,11 +645,8 @@ def main():
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=str(RESULTS))
     args = ap.parse_args()
-    if args.size != "tiny" and jax.config.values["jax_disable_most_optimizations"]:
-        ap.error(
-            "JAX_DISABLE_MOST_OPTIMIZATIONS is on (the test suite's setting): the figures are of optimised "
-            "programs; unset it, or run --size tiny"
-        )
+    if args.size != "tiny":
+        refuse_unoptimised(ap, "--size tiny")
     sections = args.only or SECTIONS
     repeats = 1 if args.size == "tiny" else args.repeats
     results = dict(machine=f"{platform.node()} {platform.machine()}, {jax.device_count()} {jax.devices()[0].platform}")
