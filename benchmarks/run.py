@@ -628,6 +628,26 @@ def print_targets(results: dict) -> None:
         print(f"{figure:{width}}  {value:>10}  {target:>9}  {'yes' if met else 'no'}")
 
 
+def machine() -> str:
+    """What ran the benchmark: the CPU's model and vector ISA and the cores this process may use (the
+    figures move with them: the hosts this project is lent differ from session to session), and JAX's
+    devices."""
+    model, flags = platform.processor() or platform.machine(), set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key, _, value = line.partition(":")
+            if key.strip() == "model name" and value.strip():
+                model = value.strip()
+            elif key.strip() == "flags":
+                flags = set(value.split())
+    except OSError:
+        pass
+    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    devices = f"{jax.device_count()} {jax.devices()[0].platform} device(s)"
+    return f"{model} ({platform.machine()}{', ' + isa if isa else ''}, {cores} cores), {devices}"
+
+
 def refuse_unoptimised(ap: argparse.ArgumentParser, tiny_flag: str) -> None:
     """Exit with a usage error if JAX_DISABLE_MOST_OPTIMIZATIONS (the test suite's setting) is on: every
     figure of a full-size run would be of programs compiled without LLVM's optimizations."""
@@ -649,7 +669,7 @@ def main():
         refuse_unoptimised(ap, "--size tiny")
     sections = args.only or SECTIONS
     repeats = 1 if args.size == "tiny" else args.repeats
-    results = dict(machine=f"{platform.node()} {platform.machine()}, {jax.device_count()} {jax.devices()[0].platform}")
+    results = dict(machine=machine())
     results["jax"] = jax.__version__
     results["glibc_tunables"] = os.environ.get("GLIBC_TUNABLES", "")  # huge pages or not: see host_memory
     results["jax_disable_most_optimizations"] = bool(jax.config.values["jax_disable_most_optimizations"])

@@ -197,3 +197,10 @@ def test_targets_are_judged_from_the_results():
         "first finished iteration, empty compilation cache": False,
         "first finished iteration, cache filled by a previous run": True,
     }
+
+
+def test_machine_names_the_cores_this_process_may_use():
+    from benchmarks.run import machine
+
+    m = machine()
+    assert f", {len(os.sched_getaffinity(0))} cores)" in m and m.endswith("cpu device(s)"), m
