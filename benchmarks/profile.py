@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks.run import _pieces, bench_config, iteration_config, random_batch, refuse_unoptimised
-from gspo_jax import train
+from gspo_jax import compiles, train
 from gspo_jax.host_memory import reexec_with_huge_pages
 from gspo_jax.sampler import Sampler, left_pad
 from gspo_jax.sharding import mesh_from_config
@@ -77,7 +77,10 @@ def sampler_program(shape: str):
     built, graphdef, params, _ = _pieces(c)
     B = built.rollout.num_groups * built.rollout.group_size
     P, C = c.prompt_len, c.max_new_tokens
-    sampler = Sampler(graphdef, built.model, B, P, C, mesh=mesh_from_config(**c.mesh), state=params)
+    options = compiles.step_options(c.cpu_fast_compile)  # as the trainer compiles it
+    sampler = Sampler(
+        graphdef, built.model, B, P, C, mesh=mesh_from_config(**c.mesh), state=params, compiler_options=options
+    )
     rng = np.random.default_rng(0)
     prompts, mask = left_pad([rng.integers(4, built.model.vocab_size, P) for _ in range(B)], P)
     t, k, p = jnp.float32(1.0), jnp.int32(0), jnp.float32(1.0)

@@ -55,7 +55,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental.compilation_cache import compilation_cache
 
-from gspo_jax import losses, moe, train
+from gspo_jax import compiles, losses, moe, train
 from gspo_jax import model as model_lib
 from gspo_jax.algorithms import ALGORITHMS
 from gspo_jax.config import base_config, build
@@ -118,6 +118,9 @@ def bench_config(size: str, algorithm: str = "gspo"):
     if size == "bench":
         c.model.update(embed_dim=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64, mlp_dim=1024)
         c.model.update(num_experts=16, top_k=2, moe_mlp_dim=512)
+        # A large model on CPU: XLA's default code generation (the fast-compile loops are ~3x slower
+        # over its 117 MiB expert stacks: the step 750 -> 905 ms, README).
+        c.cpu_fast_compile = False
     c.warm_start.steps = 0
     return c
 
@@ -285,7 +288,8 @@ def naive_decoder(graphdef, prompt_len: int, max_new: int, max_top_k: int):
 
 
 def sampler_throughput(size: str, repeats: int, peak_flops: float) -> dict:
-    cfg = build(iteration_config("tiny" if size == "tiny" else "iteration")).model
+    c = iteration_config("tiny" if size == "tiny" else "iteration")
+    cfg, options = build(c).model, compiles.step_options(c.cpu_fast_compile)  # compiled as the trainer does
     graphdef, state = nnx.split(model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
     P, C = (8, 8) if size == "tiny" else (16, 64)
     rng = np.random.default_rng(0)
@@ -293,7 +297,7 @@ def sampler_throughput(size: str, repeats: int, peak_flops: float) -> dict:
 
     def run(batch: int, threads: int = 1) -> float:
         prompts, mask = left_pad([rng.integers(4, cfg.vocab_size, P) for _ in range(batch)], P)
-        sampler = Sampler(graphdef, cfg, batch, P, C, threads=threads)
+        sampler = Sampler(graphdef, cfg, batch, P, C, threads=threads, compiler_options=options)
         key = jax.random.key(0)  # no EOS: every row generates C tokens
         return best_time(lambda: sampler(state, prompts, mask, key, temperature=t, top_k=k, top_p=p).tokens, repeats)
 

@@ -3,6 +3,8 @@ tests assert, that every jitted function compiles once. (`jitted._cache_size()` 
 this: it reads a global LRU shared with every other jitted function and eager op.) And keeps compiled
 programs across processes (`use_persistent_cache`), so reruns and sweeps do not pay compilation again."""
 
+import concurrent.futures
+import functools
 from pathlib import Path
 
 import jax
@@ -38,11 +40,47 @@ class CompileCounter:
         return total() - self._start
 
 
-def run_once_options() -> dict[str, int] | None:
-    """XLA options for a program a run executes once (random init): on CPU, LLVM at -O1 instead of -O2
-    compiles it about 3× faster (3.0 -> 0.9 s at the `iteration` shape) to bitwise the same output,
-    running as fast. Not for the step programs: -O1 made the `bench` train step 2× slower."""
-    return {"xla_backend_optimization_level": 1} if jax.default_backend() == "cpu" else None
+# XLA:CPU's older loop emitters (LLVM IR written directly, not through MLIR) at LLVM -O1: the
+# `iteration` train step compiles in 2.2-2.3 instead of 4.3-4.4 s, the sampler in 1.8 instead of 2.4 s.
+# Their loops run as fast over activation-sized arrays (the `iteration` step about 5% slower, the
+# default config's faster), but about 3x slower over parameter stacks of 100+ MiB (the optimizer's
+# passes on `bench`: its step 750 -> 905 ms), so a large model on CPU turns it off (`cpu_fast_compile`).
+FAST_CPU_COMPILE = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 1}
+
+
+def run_once_options() -> dict | None:
+    """XLA options for a program a run executes once (random init): on CPU the fast-compile options,
+    whatever `cpu_fast_compile` says (the `iteration` shape's init compiles in 0.6 s; 0.8 s at -O1 with
+    the default emitters, 3.0 s at -O2), drawing bitwise the same parameters."""
+    return dict(FAST_CPU_COMPILE) if jax.default_backend() == "cpu" else None
+
+
+def step_options(fast: bool) -> dict | None:
+    """XLA options for the programs a run executes every iteration (`config.cpu_fast_compile`): on CPU
+    with `fast`, the fast-compile options, keeping the test suite's -O0 where it is on
+    (JAX_DISABLE_MOST_OPTIMIZATIONS); None (XLA's defaults) otherwise and on every other backend."""
+    if not fast or jax.default_backend() != "cpu":
+        return None
+    if jax.config.values["jax_disable_most_optimizations"]:
+        return {"xla_cpu_use_fusion_emitters": False}
+    return dict(FAST_CPU_COMPILE)
+
+
+_BACKGROUND = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gspo_jax_compile")
+
+
+class Background:
+    """`fn` (a `functools.partial` of a jitted function over its static arguments) lowered and compiled
+    for `abstract` arguments (ShapeDtypeStructs with shardings) on a background thread, so a run's
+    first iteration does not wait for programs that are needed later (XLA releases the GIL while it
+    compiles). Called like `fn`: the first call waits for the compile, and every call runs that one
+    executable (arguments of another shape or sharding raise TypeError, never recompile)."""
+
+    def __init__(self, fn: functools.partial, *abstract):
+        self._future = _BACKGROUND.submit(lambda: fn.func.lower(*fn.args, *abstract, **fn.keywords).compile())
+
+    def __call__(self, *args):
+        return self._future.result()(*args)
 
 
 def use_persistent_cache(directory: str | Path) -> None:

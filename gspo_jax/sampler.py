@@ -251,7 +251,8 @@ class Sampler:
     logical rules of `gspo_jax.sharding`. With `threads` > 1 (one device only) the batch is generated
     as that many equal slices at once, one host thread each, by one compiled program: XLA:CPU runs a
     decode step's small ops on one core, so slices use the others. Slice i draws from
-    `fold_in(key, i)`: the thread count is part of what a key gives.
+    `fold_in(key, i)`: the thread count is part of what a key gives. `compiler_options` go to XLA
+    (the trainer's `compiles.step_options`).
     """
 
     def __init__(
@@ -266,6 +267,7 @@ class Sampler:
         mesh=None,
         state=None,
         threads: int = 1,
+        compiler_options: dict | None = None,
     ):
         for name, v in (
             ("batch_size", batch_size),
@@ -290,7 +292,9 @@ class Sampler:
         # samplers share their compilation.
         self._static = (graphdef, max_new_tokens, self.max_top_k)
         if mesh is None:
-            self._fn = jax.jit(_generate, static_argnums=(0, 1, 2), donate_argnums=(4,))
+            self._fn = jax.jit(
+                _generate, static_argnums=(0, 1, 2), donate_argnums=(4,), compiler_options=compiler_options
+            )
             self._cache_sharding = self._in_shardings = self._out_shardings = None
         else:
             state_sh = sharding_lib.param_shardings(mesh, state)
@@ -309,6 +313,7 @@ class Sampler:
                 donate_argnums=(4,),
                 in_shardings=self._in_shardings,
                 out_shardings=(out_sh, self._cache_sharding),
+                compiler_options=compiler_options,
             )
         self._caches = [None] * threads  # allocated on first use, then donated and handed back by every call
 

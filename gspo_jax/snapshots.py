@@ -26,9 +26,9 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from gspo_jax import compiles, routing
 from gspo_jax import config as config_lib
 from gspo_jax import model as model_lib
-from gspo_jax import routing
 from gspo_jax import sharding as sharding_lib
 from gspo_jax.checkpoint import _COMMIT_MARKER, STATE_ITEM
 from gspo_jax.sampler import Sampler, left_pad
@@ -276,7 +276,10 @@ def make_probe(
     # A one-device mesh: its explicit shardings keep the sampler at one compile (without a mesh, its
     # first call, on a fresh KV cache, and later ones, on the donated cache, compile separately).
     mesh = sharding_lib.make_mesh(devices=jax.devices()[:1])
-    sampler = Sampler(run.graphdef, run.model, B, c.prompt_len, c.max_new_tokens, mesh=mesh, state=params)
+    options = compiles.step_options(c.get("cpu_fast_compile", True))
+    sampler = Sampler(
+        run.graphdef, run.model, B, c.prompt_len, c.max_new_tokens, mesh=mesh, state=params, compiler_options=options
+    )
     key = jax.random.key(seed)
     rows = []
     for i in range(0, len(examples), B):

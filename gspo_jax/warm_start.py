@@ -18,6 +18,7 @@ import ml_collections
 import numpy as np
 import optax
 
+from gspo_jax import compiles
 from gspo_jax import model as model_lib
 from gspo_jax import optimizer as optimizer_lib
 from gspo_jax import sharding as sharding_lib
@@ -39,11 +40,20 @@ def sft_step(graphdef, tx, params, opt_state, tokens_BT, positions_BT, mask_BT):
 
 
 def cache_key(config: ml_collections.ConfigDict) -> str:
-    """A hash of what the warm start depends on: model, task, its own settings, seed and lengths."""
+    """A hash of what the warm start depends on: model, task, its own settings, seed, lengths and how its
+    step is compiled (`cpu_fast_compile`: XLA:CPU's two code generators round differently)."""
     c = config
     ws = {k: v for k, v in c.warm_start.items() if k != "cache_dir"}
     blob = json.dumps(
-        dict(model=c.model.to_dict(), task=c.task.to_dict(), ws=ws, seed=c.seed, P=c.prompt_len, N=c.max_new_tokens),
+        dict(
+            model=c.model.to_dict(),
+            task=c.task.to_dict(),
+            ws=ws,
+            seed=c.seed,
+            P=c.prompt_len,
+            N=c.max_new_tokens,
+            fast_compile=c.cpu_fast_compile,
+        ),
         sort_keys=True,
         default=str,
     )
@@ -84,6 +94,7 @@ def train_on_demonstrations(config, graphdef, params, *, mesh, rollout: Rollout)
         donate_argnums=(0, 1),
         in_shardings=(param_sh, opt_sh, b2, b2, b2),
         out_shardings=(param_sh, opt_sh, rep),
+        compiler_options=compiles.step_options(config.cpu_fast_compile),
     )
     it = prompt_iterator(task, seed=config.seed + 2, split="train")
     C, eos = config.max_new_tokens, tokenizer.eos_token_id
