@@ -1,7 +1,9 @@
 """Counts XLA backend compiles in this process (jax.monitoring events): how the trainer logs, and the
 tests assert, that every jitted function compiles once. (`jitted._cache_size()` is not reliable for
 this: it reads a global LRU shared with every other jitted function and eager op.) And keeps compiled
-programs across processes (`use_persistent_cache`), so reruns and sweeps do not pay compilation again."""
+programs across processes (`use_persistent_cache`), so reruns and sweeps do not pay compilation again;
+chooses XLA:CPU's fast-compile code generation (`step_options`, `run_once_options`); and compiles a
+program ahead, on a background thread (`Background`)."""
 
 import concurrent.futures
 import functools
