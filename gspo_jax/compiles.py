@@ -7,16 +7,22 @@ program ahead, on a background thread (`Background`)."""
 
 import concurrent.futures
 import functools
+import logging
+import threading
 from pathlib import Path
 
 import jax
+import numpy as np
+
+log = logging.getLogger(__name__)
 
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 _total = [0]
+_probing = threading.local()  # a thread's option probe (`xla_knows`) is not one of the run's compiles
 
 
 def _on_event(name, *args, **kwargs):
-    if name == COMPILE_EVENT:
+    if name == COMPILE_EVENT and not getattr(_probing, "active", False):
         _total[0] += 1
 
 
@@ -47,14 +53,45 @@ class CompileCounter:
 # Their loops run as fast over activation-sized arrays (the `iteration` step about 5% slower, the
 # default config's faster), but about 3x slower over parameter stacks of 100+ MiB (the optimizer's
 # passes on `bench`: its step 750 -> 905 ms), so a large model on CPU turns it off (`cpu_fast_compile`).
+# XLA dropped the older emitters (jax 0.12 answers "No such compile option"): what the running XLA does
+# not know is left out (`supported`), which leaves -O1 there.
 FAST_CPU_COMPILE = {"xla_cpu_use_fusion_emitters": False, "xla_backend_optimization_level": 1}
+
+
+@functools.cache
+def xla_knows(name: str, value) -> bool:
+    """Whether the running XLA accepts compile option `name` (set to `value`): asked of XLA itself, by
+    compiling a one-op program with it, never assumed from a version string. Cached per process."""
+    _probing.active = True
+    try:
+        jax.jit(lambda x: x + 1, compiler_options={name: value}).lower(np.float32(0)).compile()
+        return True
+    except Exception as e:  # jaxlib's error type moved between releases; the message did not
+        if "No such compile option" not in str(e):
+            raise
+        return False
+    finally:
+        _probing.active = False
+
+
+def supported(options: dict | None) -> dict | None:
+    """`options` without those the running XLA does not know, each dropped with one debug line."""
+    if options is None:
+        return None
+    kept = {}
+    for name, value in options.items():
+        if xla_knows(name, value):
+            kept[name] = value
+        else:
+            log.debug("XLA %s has no compile option %r: left out", jax.__version__, name)
+    return kept
 
 
 def run_once_options() -> dict | None:
     """XLA options for a program a run executes once (random init): on CPU the fast-compile options,
     whatever `cpu_fast_compile` says (the `iteration` shape's init compiles in 0.6 s; 0.8 s at -O1 with
     the default emitters, 3.0 s at -O2), drawing bitwise the same parameters."""
-    return dict(FAST_CPU_COMPILE) if jax.default_backend() == "cpu" else None
+    return supported(FAST_CPU_COMPILE) if jax.default_backend() == "cpu" else None
 
 
 def step_options(fast: bool) -> dict | None:
@@ -64,8 +101,8 @@ def step_options(fast: bool) -> dict | None:
     if not fast or jax.default_backend() != "cpu":
         return None
     if jax.config.values["jax_disable_most_optimizations"]:
-        return {"xla_cpu_use_fusion_emitters": False}
-    return dict(FAST_CPU_COMPILE)
+        return supported({"xla_cpu_use_fusion_emitters": False})
+    return supported(FAST_CPU_COMPILE)
 
 
 _BACKGROUND = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gspo_jax_compile")
