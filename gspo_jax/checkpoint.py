@@ -30,6 +30,7 @@ import logging
 import os
 import pathlib
 import signal
+import sys
 import threading
 import time
 import weakref
@@ -291,6 +292,13 @@ class PreemptionGuard:
         self._previous.clear()
 
 
+def threads_start_at_exit(version: tuple[int, ...] = tuple(sys.version_info[:3])) -> bool:
+    """Whether this Python starts threads from `threading`'s exit hooks: CPython 3.12.0-3.12.2 refuse
+    once interpreter exit has begun ("can't create new thread at interpreter shutdown", gh-113964,
+    fixed in 3.12.3), and orbax's background writer starts threads to finish a save."""
+    return not (3, 12) <= version < (3, 12, 3)
+
+
 def _register_exit_wait(ckpt: Checkpointer) -> bool:
     """Makes interpreter exit wait for `ckpt`'s background save; False if that cannot be arranged.
 
@@ -299,8 +307,9 @@ def _register_exit_wait(ckpt: Checkpointer) -> bool:
     `threading._register_atexit` callbacks run before that, in reverse registration order.
     """
     register = getattr(threading, "_register_atexit", None)
-    if register is None:
-        log.warning("threading._register_atexit unavailable: checkpoint saves are synchronous.")
+    if register is None or not threads_start_at_exit():
+        why = "threading._register_atexit unavailable" if register is None else f"Python {sys.version.split()[0]}"
+        log.warning("%s cannot finish a background save at exit: checkpoint saves are synchronous.", why)
         return False
     ref = weakref.ref(ckpt)
 

@@ -20,7 +20,7 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
 
-from gspo_jax.checkpoint import CORRUPT_SUBDIR, Checkpointer, PreemptionGuard
+from gspo_jax.checkpoint import CORRUPT_SUBDIR, Checkpointer, PreemptionGuard, threads_start_at_exit
 
 
 def make_state(seed: int = 0):
@@ -210,6 +210,25 @@ def test_all_steps_corrupt_returns_none_and_moves_nothing(tmp_path, caplog):
         assert Checkpointer(tmp_path).restore_latest(abstract(state)) is None
     assert sorted(os.listdir(tmp_path)) == ["1", "2", "checksums"]
     assert any(r.levelno == logging.ERROR for r in caplog.records)
+
+
+def test_threads_at_exit_rule_matches_this_python():
+    """The rule `Checkpointer` uses to choose asynchronous saves is what this interpreter does."""
+    script = textwrap.dedent("""
+        import threading
+        def hook():
+            try:
+                t = threading.Thread(target=print, args=("started",))
+                t.start()
+                t.join()
+            except RuntimeError:
+                print("refused")
+        threading._register_atexit(hook)
+    """)
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60).stdout
+    assert out.strip() == ("started" if threads_start_at_exit() else "refused")
+    assert threads_start_at_exit((3, 11, 7)) and threads_start_at_exit((3, 13, 0))
+    assert not threads_start_at_exit((3, 12, 1)) and threads_start_at_exit((3, 12, 3))
 
 
 def test_async_save_then_exit_leaves_complete_checkpoint(tmp_path):
