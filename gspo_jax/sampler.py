@@ -208,13 +208,19 @@ def _prefill(model, prompt_BP, pos_BP, cache: model_lib.KVCache):
     piece = lambda a_bn, i: jax.lax.dynamic_index_in_dim(a_bn, i, axis=1, keepdims=False)
     put = lambda a_bn, x, i: jax.lax.dynamic_update_index_in_dim(a_bn, x, i, axis=1)
     prompt, pos = view(prompt_BP), view(pos_BP)
+    # The slots' positions are the same for every piece's write (the prompts at the cache index), so
+    # they are set once here, outside the loop. Carried through it (each piece's [b, S] rows put back),
+    # older TPU compilers (libtpu 0.0.42, jax 0.10) replaced that carry with the prompt's [b, P]
+    # positions and failed a RET_CHECK compiling the flagship's sampler (tests/test_aot.py guards it).
+    positions = jax.lax.dynamic_update_slice(cache.positions, pos_BP.astype(jnp.int32), (0, cache.index))
+    empty = view(cache.positions)
 
     def body(i, carry):
-        k, v, positions, logits, topk = carry
+        k, v, logits, topk = carry
         part = model_lib.KVCache(
             k=tuple(piece(x, i) for x in k),
             v=tuple(piece(x, i) for x in v),
-            positions=piece(positions, i),
+            positions=piece(empty, i),
             index=cache.index,
         )
         x_bPD, aux = model.hidden(piece(prompt, i), piece(pos, i), cache=part, empty_cache=True)
@@ -222,7 +228,6 @@ def _prefill(model, prompt_BP, pos_BP, cache: model_lib.KVCache):
         return (
             tuple(put(x, y, i) for x, y in zip(k, c.k)),
             tuple(put(x, y, i) for x, y in zip(v, c.v)),
-            put(positions, c.positions, i),
             put(logits, model.logits(x_bPD[:, -1:])[:, 0], i),
             put(topk, aux.topk, i),
         )
@@ -231,14 +236,13 @@ def _prefill(model, prompt_BP, pos_BP, cache: model_lib.KVCache):
     carry = (
         tuple(map(view, cache.k)),
         tuple(map(view, cache.v)),
-        view(cache.positions),
         jnp.zeros((B // n, n, model.cfg.vocab_size), jnp.float32),
         jnp.zeros((B // n, n, L, prompt_BP.shape[1], K), jnp.int32),
     )
-    k, v, positions, logits, topk = jax.lax.fori_loop(0, n, body, carry)
+    k, v, logits, topk = jax.lax.fori_loop(0, n, body, carry)
     unview = lambda a: a.reshape(B, *a.shape[2:])
     P = prompt_BP.shape[1]
-    k, v, positions = tuple(map(unview, k)), tuple(map(unview, v)), unview(positions)
+    k, v = tuple(map(unview, k)), tuple(map(unview, v))
     return unview(logits), unview(topk), model_lib.KVCache(k=k, v=v, positions=positions, index=cache.index + P)
 
 

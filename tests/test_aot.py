@@ -55,6 +55,38 @@ def test_every_program_compiles_for_a_slice_and_fits(tmp_path):
     assert len(table) == 3 and all("| fsdp=2×expert=2 |" in line and "| yes |" in line for line in table)
 
 
+# The flagship (`qwen3_30b_a3b`) with only its sizes shrunk: its layers scanned, rematerialised, the LM
+# head chunked, scoring and prefill in batch chunks, bf16, its MoE dispatch, expert parallelism, the
+# prompt bucket shorter than the cache. Every structural key is read from the flagship's own config.
+FLAGSHIP_DIMS = dict(
+    vocab_size=256, embed_dim=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, mlp_dim=128,
+    num_experts=8, top_k=2, moe_mlp_dim=32, logprob_chunk=64,
+)  # fmt: skip
+FLAGSHIP_SHAPE = {"prompt_len": 128, "max_new_tokens": 32, "rollout.num_groups": 2, "rollout.group_size": 8}
+
+
+def flagship_in_miniature() -> list[str]:
+    flags = ["--config", "configs/gspo.py:qwen3_30b_a3b", "--topology", "v5p:2x2x1"]
+    flags += ["--config.mesh.fsdp=2", "--config.mesh.expert=2"]
+    flags += [f"--config.model.{k}={v}" for k, v in FLAGSHIP_DIMS.items()]
+    return flags + [f"--config.{k}={v}" for k, v in FLAGSHIP_SHAPE.items()]
+
+
+@pytest.mark.slow
+def test_the_flagships_structure_compiles_for_a_slice(tmp_path):
+    """The class of break that stopped the flagship's sampler compiling (an XLA RET_CHECK in the batch-
+    chunked prefill's loop, libtpu 0.0.42) at a size CI compiles in seconds."""
+    flagship = base_config("gspo", "qwen3_30b_a3b")
+    m, P, C = flagship.model, FLAGSHIP_SHAPE["prompt_len"], FLAGSHIP_SHAPE["max_new_tokens"]
+    assert m.scan_layers and m.remat != "none" and m.batch_chunks > 1 and flagship.mesh.expert > 1
+    assert 0 < FLAGSHIP_DIMS["logprob_chunk"] < P + C and P < P + C  # chunked head; prompt shorter than cache
+    p, rows = aot_compile(*flagship_in_miniature(), tmp_path=tmp_path)
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [r["program"] for r in rows] == list(aot.PROGRAMS) and all(r["fits"] for r in rows)
+    assert all(r["mesh"] == "fsdp=2×expert=2" for r in rows)
+    assert rows[2]["shape"] == f"16 × {P}+{C}"
+
+
 def test_row_arithmetic_by_hand():
     r = aot.Row("score", "fsdp=2", "1 × 1", 10, 6, 4, 100, 110, 1.0, 8e12, 0.1)
     assert r.total_bytes == 10 + 6 - 4 + 100 and not r.fits  # 112 bytes do not fit in 110
