@@ -10,11 +10,12 @@ setup(
     description="GRPO / DAPO / GSPO and relatives for sparse-MoE policies in JAX/Flax",
     long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
     long_description_content_type="text/markdown",
-    python_requires=">=3.10",
+    python_requires=">=3.11",  # jax 0.10.2, the lower bound, needs 3.11
     packages=find_packages(include=["gspo_jax", "gspo_jax.*"]),
     include_package_data=True,
     package_data={"gspo_jax": ["**/*.json", "**/*.jsonl"]},
-    # Lower bounds are the versions this project is tested with.
+    # Lower bounds are the versions CI tests with (.ci/run pins each one on Python 3.11); the newest
+    # releases are tested on Python 3.12.
     install_requires=[
         "jax>=0.10.2",
         "flax>=0.12.8",
