@@ -203,7 +203,9 @@ def _markdown(sweep, root: Path, results, arms, figures: Sequence[Path]) -> str:
             lines += [*r.tail, "```"]
 
     if figures:
-        lines += ["", "## Figures", "", "Lines: the mean over an arm's seeds; bands: their range (min to max).", ""]
+        lines += ["", "## Figures", "", "Every run with metrics, finished or not. Lines: the mean over an arm's"]
+        lines[-1] += " seeds; bands: their range (min to max)."
+        lines += [""]
         lines += [f"![{p.stem}]({p.relative_to(root).as_posix()})" for p in figures]
     return "\n".join(lines) + "\n"
 
@@ -289,7 +291,9 @@ def _figures(arms: Mapping[str, list[RunResult]], out: Path) -> list[Path]:
     written = []
     out.mkdir(parents=True, exist_ok=True)
     for name, fig in figures.items():
-        if fig is not None:
-            fig.savefig(out / f"{name}.png", dpi=100)
-            written.append(out / f"{name}.png")
+        if fig is None:
+            (out / f"{name}.png").unlink(missing_ok=True)  # an earlier report's, now without data
+            continue
+        fig.savefig(out / f"{name}.png", dpi=100)
+        written.append(out / f"{name}.png")
     return written
