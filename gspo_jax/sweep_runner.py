@@ -96,9 +96,9 @@ class Runner:
             run_dir = sweeps.workdir(self.root, run)
             if sweeps.status(run_dir) == "done":
                 self.done += 1
-                recorded = sweeps.read_state(run_dir).get("command")
-                if recorded and recorded[1:] != run.train_args(run_dir):
-                    self._say(f"{run.name}: finished with another command than the sweep's now; not rerun")
+                recorded = sweeps.read_state(run_dir).get("command", [])
+                if _without_workdir(recorded[1:]) != _without_workdir(run.train_args(run_dir)):
+                    self._say(f"{run.name}: finished with other overrides than the sweep's now; not rerun")
             else:
                 self.pending.append(run)
         self._say(
@@ -192,7 +192,9 @@ class Runner:
             run, run_dir = child.run, sweeps.workdir(self.root, child.run)
             seconds = time.monotonic() - child.started
             tail = _tail(run_dir / sweeps.LOG_FILE, child.log_offset)
-            stopped = rc in (TRAIN_STOPPED, TRAIN_INTERRUPTED) or (self.signals and rc == -signal.SIGTERM)
+            # A child our signal reached before train.py installed its handler (start-up) dies of it.
+            killed_by_us = self.signals and rc in (-signal.SIGTERM, -signal.SIGINT)
+            stopped = rc in (TRAIN_STOPPED, TRAIN_INTERRUPTED) or killed_by_us
             status = "done" if rc == 0 else "stopped" if stopped else "failed"
             command = [self.python, *run.train_args(run_dir)]
             sweeps.record_attempt(run_dir, status, rc=rc, seconds=seconds, command=command, tail=tail)
@@ -251,6 +253,12 @@ class Runner:
             return EXIT_STOPPED
         self._say(f"all {len(self.runs)} runs done")
         return EXIT_DONE
+
+
+def _without_workdir(args: list[str]) -> list[str]:
+    """train.py's arguments but the workdir (the same run, in a workroot that has moved)."""
+    i = args.index("--workdir") if "--workdir" in args else len(args)
+    return args[:i] + args[i + 2 :]
 
 
 def _tail(path: Path, offset: int, lines: int = TAIL_LINES) -> list[str]:

@@ -224,12 +224,18 @@ def test_a_failed_run_is_recorded_with_its_log_and_the_others_finish(tmp_path):
     assert failed["attempts"][0]["rc"] == 1
     assert failed["tail"] == [f"line {i}" for i in range(10, 30)]  # the last 20 lines of the attempt
     assert "FAILED fake-seed=1 (exit 1)" in out.read_text() and "line 29" in out.read_text()
-    # A rerun retries the failure only.
+    # A rerun retries the failure only, and says which finished run the sweep file now describes otherwise.
+    state = sweeps.read_state(root / "runs" / "fake-seed=0")
+    sweeps.record_attempt(
+        root / "runs" / "fake-seed=0", "done", rc=0, seconds=1, command=[*state["command"], "--config.x=1"], tail=[]
+    )
     with open(out, "w") as f:
         assert Runner(sweep.runs, root, repo, parallel=2, out=f).run() == 1
     ran = {r.name: (root / "runs" / r.name / "ran.txt").read_text().count("ran") for r in sweep.runs}
     assert ran == {"fake-seed=0": 1, "fake-seed=1": 2, "fake-seed=2": 1}
     assert "2 already done, 1 to run" in out.read_text()
+    assert "fake-seed=0: finished with other overrides" in out.read_text()
+    assert "fake-seed=2: finished with other" not in out.read_text()
 
 
 # ------------------------------------------------------------------ the tiny sweep, end to end
