@@ -11,7 +11,10 @@ again: finished runs are skipped, stopped ones resume from their checkpoint, fai
 SIGTERM / Ctrl-C stop every run at its next iteration boundary (a checkpoint each); a second one stops
 them at once. One sweep process per workroot (per shard): a second is refused.
 
---parallel: each child is pinned to its own share of this process's CPUs (see sweep_runner.cpu_slots).
+--parallel N: each child is pinned to its own share of this process's CPUs (sweep_runner.cpu_slots); more
+runs than CPUs share them. On 2 CPU cores (shared with other work, load ~4.5, one try each) the tiny sweep
+took 50 s at --parallel 1 and 39 s at --parallel 2 (each run's start-up is mostly single-threaded): use
+one run per core. Larger N, and larger configs, are unmeasured.
 
 Exit codes: 0 every run done; 1 some failed (the others ran on); 2 refused (bad sweep file or arguments,
 or the workroot in use by another sweep); 75 stopped by a signal, or a run stopped by someone else's:
