@@ -46,6 +46,7 @@ SLOWEST_FIRST = (
     "test_train.py",
     "test_critic.py",
     "test_runs.py",
+    "test_sweep.py",
     "test_model.py",
     "test_aot.py",
     "test_losses.py",

@@ -1,0 +1,299 @@
+"""A sweep's report: every run's metrics.jsonl aggregated per arm (the runs that differ only in seed)
+into `<workroot>/report.md` and PNG figures, on a finished sweep or a partly finished one.
+
+Metric keys are discovered from the rows: a diagnostic no run logged is "—", never a guess. Figures
+are built with `matplotlib.figure.Figure` and saved through its Agg canvas (no pyplot), as gspo_jax.plots.
+"""
+
+from __future__ import annotations
+
+import datetime
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+from matplotlib.figure import Figure
+from matplotlib.ticker import MaxNLocator
+
+from gspo_jax import sweeps
+from gspo_jax.plots import series
+from gspo_jax.writers import read_metrics
+
+ACCURACY = "eval_accuracy"  # held-out greedy accuracy: what the report ranks arms by
+COLLAPSE_DROP = 0.10  # collapsed: final held-out accuracy this far below the step-0 (warm-start) one
+LOSS_KEYS = ("loss", "total_loss")  # ... or one of these non-finite at some step
+# Diagnostics in the arm table, where logged: mean over a run's training steps, then over its seeds.
+DIAGNOSTICS = (
+    ("clip_frac", "token clip fraction"),
+    ("seq_clip_frac", "sequence clip fraction"),
+    ("drift_slot_change_rate", "routing drift: expert slots changed π_θ vs π_old"),
+    ("drift_router_flip_rate", "routing drift: router top-k flips"),
+    ("mismatch_kl_k3", "sampler–trainer mismatch: KL (k3)"),
+    ("mismatch_router_flip_rate", "sampler–trainer mismatch: router flips"),
+    ("approx_kl", "KL(π_old‖π_θ) (k3)"),
+    ("kl_ref", "KL to π_ref"),
+)
+CLIP_KEYS = ("clip_frac", "seq_clip_frac", "clip_frac_flipped", "clip_frac_unflipped")
+FLIPPED_KEYS = ("grad_share_flipped", "flipped_frac")  # the flipped tokens' share of the loss gradient, of tokens
+_PER_LAYER = re.compile(r"^(drift_\w+?)_layer(\d+)$")
+
+
+@dataclass
+class RunResult:
+    run: sweeps.Run
+    status: str
+    records: list[dict]
+    attempts: list[dict] = field(default_factory=list)
+    tail: list[str] = field(default_factory=list)
+
+    @property
+    def last_step(self) -> int | None:
+        return self.records[-1]["step"] if self.records else None
+
+    def values(self, key: str) -> list[float]:
+        return [v for v in series(self.records, key)[1] if math.isfinite(v)]
+
+    def mean(self, key: str) -> float | None:
+        """Mean over the training steps (step 0 is the warm start's evaluation only)."""
+        vs = [v for s, v in zip(*series(self.records, key), strict=True) if s > 0 and math.isfinite(v)]
+        return sum(vs) / len(vs) if vs else None
+
+    def accuracy(self) -> dict[str, float] | None:
+        """final, best, start (step 0) and auc (the trapezoid area under the held-out accuracy curve over
+        its step span, divided by that span: the curve's mean, comparable across run lengths)."""
+        points = [(s, v) for s, v in zip(*series(self.records, ACCURACY), strict=True) if math.isfinite(v)]
+        if not points:
+            return None
+        steps, acc = [s for s, _ in points], [v for _, v in points]
+        area = sum((b - a) * (x + y) / 2 for a, b, x, y in zip(steps, steps[1:], acc, acc[1:]))
+        auc = area / (steps[-1] - steps[0]) if len(steps) > 1 else acc[0]
+        return dict(final=acc[-1], best=max(acc), start=acc[0] if steps[0] == 0 else math.nan, auc=auc)
+
+    def collapsed(self) -> bool:
+        acc = self.accuracy()
+        dropped = acc is not None and acc["final"] < acc["start"] - COLLAPSE_DROP  # False for a NaN start
+        non_finite = any(not math.isfinite(v) for k in LOSS_KEYS for v in series(self.records, k)[1])
+        return dropped or non_finite
+
+    def seconds(self) -> float | None:
+        return sum(a["seconds"] for a in self.attempts) if self.attempts else None
+
+
+def collect(sweep: sweeps.Sweep, root: Path) -> list[RunResult]:
+    results = []
+    for run in sweep.runs:
+        run_dir = sweeps.workdir(root, run)
+        state = sweeps.read_state(run_dir)
+        attempts, tail = state.get("attempts", []), state.get("tail", [])
+        results.append(RunResult(run, sweeps.status(run_dir), read_metrics(run_dir), attempts, tail))
+    return results
+
+
+def write_report(sweep: sweeps.Sweep, root: str | Path) -> Path:
+    """Writes `<root>/report.md` and its figures (`<root>/report/*.png`); returns the report's path."""
+    root = Path(root)
+    results = collect(sweep, root)
+    arms: dict[str, list[RunResult]] = {}
+    for r in results:
+        arms.setdefault(r.run.arm, []).append(r)
+    figures = _figures(arms, root / "report")
+    text = _markdown(sweep, root, results, arms, figures)
+    path = root / "report.md"
+    tmp = path.with_suffix(".md.tmp")
+    tmp.write_text(text, encoding="utf-8")
+    tmp.replace(path)
+    return path
+
+
+# ------------------------------------------------------------------ markdown
+
+
+def _fmt(values: Sequence[float], digits: int = 3) -> str:
+    """mean ± sample standard deviation over seeds; '—' with none, the mean alone with one."""
+    vs = [v for v in values if v is not None and math.isfinite(v)]
+    if not vs:
+        return "—"
+    mean = f"{np.mean(vs):.{digits}g}"
+    return f"{mean} ± {np.std(vs, ddof=1):.2g}" if len(vs) > 1 else mean
+
+
+def _row(cells: Sequence[str]) -> str:
+    return "| " + " | ".join(cells) + " |"
+
+
+def _table(header: Sequence[str], rows: Sequence[Sequence[str]]) -> list[str]:
+    return [_row(header), _row(["---"] * len(header)), *(_row(r) for r in rows)]
+
+
+def _markdown(sweep, root: Path, results, arms, figures: Sequence[Path]) -> str:
+    statuses = ("done", "failed", "stopped", "unfinished", "not started")
+    counts = {s: sum(r.status == s for r in results) for s in statuses}
+    lines = [
+        f"# Sweep report: {sweep.name}",
+        "",
+        f"Base config `{sweep.base}`; workroot `{root}`; written {datetime.datetime.now().isoformat(' ', 'seconds')}.",
+        "",
+        f"{len(results)} runs: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n) + ".",
+        "",
+        "## Arms",
+        "",
+        f"Per arm (the runs that differ only in seed), over its finished runs: mean ± sample standard deviation "
+        f"over seeds (one seed: the value alone). Accuracy is held-out greedy accuracy (`{ACCURACY}`); AUC is "
+        "the area under its curve divided by the step span (the curve's mean). A run **collapsed** if its final "
+        f"held-out accuracy is more than {COLLAPSE_DROP:.2f} below its step-0 (warm-start) accuracy, or a "
+        f"logged {' / '.join(f'`{k}`' for k in LOSS_KEYS)} is non-finite. Wall time: the run's attempts, summed.",
+        "",
+    ]
+    rows = []
+    for arm, rs in arms.items():
+        done = [r for r in rs if r.status == "done"]
+        acc = [a for a in (r.accuracy() for r in done) if a is not None]
+        rows.append(
+            [
+                f"`{arm}`",
+                f"{len(done)}/{len(rs)}",
+                _fmt([a["start"] for a in acc]),
+                _fmt([a["final"] for a in acc]),
+                _fmt([a["best"] for a in acc]),
+                _fmt([a["auc"] for a in acc]),
+                f"{sum(r.collapsed() for r in done)}/{len(done)}" if done else "—",
+                _fmt([r.seconds() for r in done], 3),
+            ]
+        )
+    header = ["arm", "finished", "step-0 acc", "final acc", "best acc", "AUC", "collapsed", "wall time (s)"]
+    lines += _table(header, rows)
+
+    present = [(k, d) for k, d in DIAGNOSTICS if any(r.values(k) for r in results)]
+    absent = [k for k, _ in DIAGNOSTICS if k not in dict(present)]
+    lines += ["", "## Diagnostics", "", "Mean over a run's training steps, then mean ± sd over the arm's seeds."]
+    lines += [""] + [f"- `{k}`: {d}" for k, d in present]
+    if absent:
+        lines += [f"- not logged by any run: {', '.join(f'`{k}`' for k in absent)}"]
+    lines += [""]
+    rows = [
+        [f"`{arm}`", *(_fmt([r.mean(k) for r in rs if r.status == "done"]) for k, _ in present)]
+        for arm, rs in arms.items()
+    ]
+    lines += _table(["arm", *(f"`{k}`" for k, _ in present)], rows)
+
+    lines += ["", "## Runs", ""]
+    rows = []
+    for r in results:
+        acc = r.accuracy()
+        rows.append(
+            [
+                f"`{r.run.name}`",
+                r.status,
+                "—" if r.last_step is None else str(r.last_step),
+                "—" if acc is None else f"{acc['final']:.3g}",
+                str(len(r.attempts)),
+                "—" if r.seconds() is None else f"{r.seconds():.0f}",
+            ]
+        )
+    lines += _table(["run", "status", "last step", "final acc", "attempts", "wall time (s)"], rows)
+    missing = [r.run.name for r in results if r.status != "done"]
+    if missing:
+        lines += ["", "Not finished (left out of the arm tables): " + ", ".join(f"`{n}`" for n in missing) + "."]
+    for r in results:
+        if r.status == "failed":
+            lines += ["", f"### `{r.run.name}` failed (exit {r.attempts[-1]['rc']}), last lines of its log", "", "```"]
+            lines += [*r.tail, "```"]
+
+    if figures:
+        lines += ["", "## Figures", "", "Every run with metrics, finished or not. Lines: the mean over an arm's"]
+        lines[-1] += " seeds; bands: their range (min to max)."
+        lines += [""]
+        lines += [f"![{p.stem}]({p.relative_to(root).as_posix()})" for p in figures]
+    return "\n".join(lines) + "\n"
+
+
+# ------------------------------------------------------------------ figures
+
+
+def _band(results: Sequence[RunResult], key: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """(steps, mean, min, max) of `key` over the runs, at each step some run logged it finitely."""
+    by_step: dict[int, list[float]] = {}
+    for r in results:
+        for s, v in zip(*series(r.records, key), strict=True):
+            if math.isfinite(v):
+                by_step.setdefault(s, []).append(v)
+    steps = sorted(by_step)
+    vals = [np.asarray(by_step[s]) for s in steps]
+    return (
+        np.asarray(steps),
+        np.asarray([v.mean() for v in vals]),
+        np.asarray([v.min() for v in vals]),
+        np.asarray([v.max() for v in vals]),
+    )
+
+
+def _curves(arms: Mapping[str, list[RunResult]], keys: Sequence[str], title: str, ylabel: str) -> Figure | None:
+    """One panel per key with data: each arm's mean curve over its seeds, their range as a band."""
+    keys = [k for k in keys if any(r.values(k) for rs in arms.values() for r in rs)]
+    if not keys:
+        return None
+    fig = Figure(figsize=(6.4 * min(len(keys), 2), 4.0 * math.ceil(len(keys) / 2)), layout="constrained")
+    axes = fig.subplots(math.ceil(len(keys) / 2), min(len(keys), 2), squeeze=False).ravel()
+    for ax, key in zip(axes, keys, strict=False):
+        for i, (arm, rs) in enumerate(arms.items()):
+            steps, mean, low, high = _band(rs, key)
+            if len(steps):
+                ax.plot(steps, mean, color=f"C{i}", label=arm, marker="." if len(steps) < 30 else None)
+                ax.fill_between(steps, low, high, color=f"C{i}", alpha=0.2, linewidth=0)
+        ax.set(title=key, xlabel="step", ylabel=ylabel)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    for ax in axes[len(keys) :]:
+        ax.set_visible(False)
+    fig.suptitle(title)
+    return fig
+
+
+def _per_layer(arms: Mapping[str, list[RunResult]]) -> Figure | None:
+    """Per-layer drift keys (`drift_<what>_layer<i>`): each arm's mean over steps and seeds, by layer."""
+    families: dict[str, set[int]] = {}
+    for rs in arms.values():
+        for r in rs:
+            for key in {k for rec in r.records for k in rec}:
+                if m := _PER_LAYER.match(key):
+                    families.setdefault(m[1], set()).add(int(m[2]))
+    if not families:
+        return None
+    fig = Figure(figsize=(6.4 * min(len(families), 2), 4.0 * math.ceil(len(families) / 2)), layout="constrained")
+    axes = fig.subplots(math.ceil(len(families) / 2), min(len(families), 2), squeeze=False).ravel()
+    for ax, (family, layers) in zip(axes, sorted(families.items()), strict=False):
+        layers = sorted(layers)
+        for i, (arm, rs) in enumerate(arms.items()):
+            means = [[m for r in rs if (m := r.mean(f"{family}_layer{j}")) is not None] for j in layers]
+            ys = [np.mean(m) if m else np.nan for m in means]
+            ax.plot(layers, ys, color=f"C{i}", marker="o", label=arm)
+        ax.set(title=family, xlabel="MoE layer", ylabel="mean over steps", xticks=layers)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize="small")
+    for ax in axes[len(families) :]:
+        ax.set_visible(False)
+    fig.suptitle("Routing drift per layer (π_θ vs π_old)")
+    return fig
+
+
+def _figures(arms: Mapping[str, list[RunResult]], out: Path) -> list[Path]:
+    figures = {
+        "accuracy": _curves(arms, (ACCURACY,), "Held-out accuracy", "accuracy"),
+        "clip_fraction": _curves(arms, CLIP_KEYS, "Clip fraction", "fraction"),
+        "drift": _curves(arms, ("drift_slot_change_rate", "drift_router_flip_rate"), "Routing drift", "rate"),
+        "drift_per_layer": _per_layer(arms),
+        "flipped_share": _curves(arms, FLIPPED_KEYS, "Routing-flipped tokens: share of the loss gradient", "share"),
+    }
+    written = []
+    out.mkdir(parents=True, exist_ok=True)
+    for name, fig in figures.items():
+        if fig is None:
+            (out / f"{name}.png").unlink(missing_ok=True)  # an earlier report's, now without data
+            continue
+        fig.savefig(out / f"{name}.png", dpi=100)
+        written.append(out / f"{name}.png")
+    return written

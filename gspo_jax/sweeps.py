@@ -1,0 +1,223 @@
+"""What a sweep is: a file beside the configs (`configs/sweeps/<name>.py`) that names a base config and
+yields override dicts, expanded here into named runs; and each run's state in its workdir, so that a
+sweep can be killed and restarted at any point without losing or repeating a finished run.
+
+A sweep file defines
+    BASE = "configs/gspo.py:tiny"                # the config file and its argument (the size)
+    COMMON = {"train.num_iterations": 3}         # optional: overrides for every run, not in run names
+    def runs(): return grid(algorithm=["grpo", "gspo"], seed=[0, 1])   # or yield override dicts
+
+Every key is a `--config.KEY=VALUE` override of scripts/train.py except `algorithm`, which picks the
+config file beside BASE's (`configs/<algorithm>.py`): an algorithm is its config file, not a key.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import errno
+import fcntl
+import hashlib
+import importlib.util
+import itertools
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+ALGORITHM = "algorithm"  # switches the config file instead of overriding a key
+SEED = "seed"  # runs that differ only in it form one arm of the report
+RUNS_DIR = "runs"  # <workroot>/runs/<run name>/ is a run's workdir
+STATE_FILE = ".sweep.json"  # in a run's workdir: its status and attempts, rewritten atomically
+LOG_FILE = "log.txt"  # in a run's workdir: every attempt's stdout and stderr, appended
+RUN_LOCK_FILE = ".lock"  # scripts/train.py's lock on its workdir (gspo_jax.workdir.LOCK_FILE)
+# Readable labels for keys whose last component says little on its own; others use their last component.
+LABELS = {"train.routing_replay": "replay"}
+_MAX_NAME = 120
+_UNSAFE = re.compile(r"[^A-Za-z0-9._+=,-]")
+
+
+class SweepError(ValueError):
+    """A sweep file, or a sweep argument, that cannot be run; one line, naming what is wrong."""
+
+
+def grid(axes: Mapping[str, Sequence[Any]] | None = None, /, **more: Sequence[Any]) -> list[dict[str, Any]]:
+    """The product of the axes, as override dicts in axis order, the last axis varying fastest:
+    grid({"train.routing_replay": ["none", "R3"]}, seed=[0, 1]) gives 4 dicts. Dotted keys go in the
+    positional mapping (they are not Python names), the rest may be keyword arguments."""
+    axes = {**(axes or {}), **more}
+    for key, values in axes.items():
+        if isinstance(values, (str, bytes)) or not isinstance(values, Sequence) or not values:
+            raise SweepError(f"grid axis {key!r}: expected a non-empty list of values, got {values!r}")
+    return [dict(zip(axes, combo, strict=True)) for combo in itertools.product(*axes.values())]
+
+
+def value_text(value: Any) -> str:
+    """How a value is written in a run name and on train.py's command line (repr for floats: exact)."""
+    return repr(value) if isinstance(value, float) else str(value)
+
+
+def run_name(stem: str, overrides: Mapping[str, Any]) -> str:
+    """`<algorithm>-<label>=<value>-...` in the overrides' order, e.g. `grpo-replay=R3-seed=1`: readable
+    in a directory listing, the same for the same overrides, and safe as a file name (characters other
+    than letters, digits and `._+=,-` become `_`; a name over 120 characters ends in a hash of it)."""
+    keys = [k for k in overrides if k != ALGORITHM]
+    labels = [LABELS.get(k, k.rpartition(".")[2]) for k in keys]
+    labels = [k if labels.count(label) > 1 else label for k, label in zip(keys, labels, strict=True)]
+    parts = [str(overrides.get(ALGORITHM, stem))]
+    parts += [f"{label}={value_text(overrides[k])}" for k, label in zip(keys, labels, strict=True)]
+    name = _UNSAFE.sub("_", "-".join(parts)).lstrip(".-") or "run"
+    if len(name) > _MAX_NAME:
+        name = f"{name[: _MAX_NAME - 9]}-{hashlib.sha1(name.encode()).hexdigest()[:8]}"
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class Run:
+    index: int  # position in the sweep: what --shard slices
+    name: str
+    arm: str  # the name without the seed: runs of one arm differ only in seed
+    config: str  # scripts/train.py's --config, e.g. "configs/grpo.py:tiny"
+    overrides: dict[str, Any]  # key -> value, each a --config.KEY=VALUE (COMMON's included)
+
+    def train_args(self, workdir: str | os.PathLike) -> list[str]:
+        """scripts/train.py's arguments for this run in `workdir`."""
+        flags = [f"--config.{k}={value_text(v)}" for k, v in self.overrides.items()]
+        return ["scripts/train.py", "--config", self.config, "--workdir", str(workdir), *flags]
+
+
+@dataclasses.dataclass(frozen=True)
+class Sweep:
+    name: str  # the sweep file's stem
+    base: str
+    runs: list[Run]
+
+
+def _load_module(path: Path):
+    spec = importlib.util.spec_from_file_location(f"gspo_jax_sweep_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as e:  # noqa: BLE001 - any error in the user's file is a refusal, named
+        raise SweepError(f"sweep file {path} failed to load: {type(e).__name__}: {e}") from None
+    return module
+
+
+def load_sweep(path: str | os.PathLike, repo: str | os.PathLike) -> Sweep:
+    """Reads a sweep file; config paths are relative to `repo` (where scripts/train.py runs). Raises
+    SweepError for a missing file or config, a malformed override or two runs of one name."""
+    path, repo = Path(path), Path(repo)
+    if not path.is_file():
+        raise SweepError(f"sweep file not found: {path}")
+    module = _load_module(path)
+    base = getattr(module, "BASE", None)
+    if not isinstance(base, str) or not base:
+        raise SweepError(f"{path}: BASE must name a config, e.g. BASE = 'configs/gspo.py:tiny'")
+    common = getattr(module, "COMMON", {})
+    runs_fn = getattr(module, "runs", None)
+    if not isinstance(common, Mapping) or not callable(runs_fn):
+        raise SweepError(f"{path}: needs a function runs() yielding override dicts (and COMMON, if any, a dict)")
+    config_path, sep, arg = base.partition(":")
+    try:
+        override_dicts = list(runs_fn())
+    except Exception as e:  # noqa: BLE001
+        raise SweepError(f"{path}: runs() failed: {type(e).__name__}: {e}") from None
+    if not override_dicts:
+        raise SweepError(f"{path}: runs() yielded no runs")
+    runs, seen = [], {}
+    for index, overrides in enumerate(override_dicts):
+        if not isinstance(overrides, Mapping) or not all(isinstance(k, str) and k for k in overrides):
+            raise SweepError(f"{path}: run {index} is {overrides!r}, not a dict of 'KEY': value overrides")
+        if any(k.startswith("config.") for k in overrides):
+            raise SweepError(f"{path}: run {index}: write keys without 'config.' (e.g. 'train.routing_replay')")
+        config_file = Path(config_path)
+        if ALGORITHM in overrides:
+            config_file = config_file.with_name(f"{overrides[ALGORITHM]}.py")
+        if not (repo / config_file).is_file():
+            raise SweepError(f"{path}: run {index}: config file not found: {config_file}")
+        merged = {**common, **{k: v for k, v in overrides.items() if k != ALGORITHM}}
+        name = run_name(config_file.stem, overrides)
+        if name in seen:
+            raise SweepError(f"{path}: runs {seen[name]} and {index} are both named {name!r}")
+        seen[name] = index
+        arm = run_name(config_file.stem, {k: v for k, v in overrides.items() if k != SEED})
+        runs.append(Run(index, name, arm, f"{config_file.as_posix()}{sep}{arg}", merged))
+    return Sweep(path.stem, base, runs)
+
+
+def parse_shard(text: str) -> tuple[int, int]:
+    """'i/n' -> (i, n), with 0 <= i < n."""
+    match = re.fullmatch(r"(\d+)/(\d+)", text.strip())
+    if not match or not 0 <= int(match[1]) < int(match[2]):
+        raise SweepError(f"--shard {text!r}: expected i/n with 0 <= i < n, e.g. --shard 0/4 ... --shard 3/4")
+    return int(match[1]), int(match[2])
+
+
+def shard(runs: Iterable[Run], i: int, n: int) -> list[Run]:
+    """The i-th of n disjoint slices that together hold every run: the runs whose index % n == i."""
+    return [r for r in runs if r.index % n == i]
+
+
+# ------------------------------------------------------------------ a run's state in its workdir
+
+
+def workdir(root: str | os.PathLike, run: Run) -> Path:
+    return Path(root) / RUNS_DIR / run.name
+
+
+def read_state(run_dir: Path) -> dict[str, Any]:
+    """The run's recorded state ({} before its first attempt ended)."""
+    try:
+        return json.loads((run_dir / STATE_FILE).read_text())
+    except (FileNotFoundError, ValueError):
+        return {}
+
+
+def status(run_dir: Path) -> str:
+    """done | failed | stopped (an attempt ended early: resumes) | unfinished (started, no attempt
+    recorded: running, or its sweep was killed) | not started."""
+    state = read_state(run_dir)
+    if state:
+        return state["status"]
+    return "unfinished" if run_dir.exists() else "not started"
+
+
+def record_attempt(run_dir: Path, status: str, *, rc: int, seconds: float, command: list[str], tail: list[str]) -> None:
+    """Adds an attempt to the run's state, written to a temporary file and renamed over the old one, so
+    a crash leaves either state whole; `done` is recorded only after train.py exited 0."""
+    state = read_state(run_dir)
+    attempts = [*state.get("attempts", []), dict(rc=rc, seconds=round(seconds, 3), ended=_now())]
+    state = dict(status=status, command=command, attempts=attempts, tail=tail)
+    tmp = run_dir / (STATE_FILE + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(state, f, indent=1)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, run_dir / STATE_FILE)
+
+
+def _now() -> str:
+    return datetime.datetime.now().isoformat(" ", "seconds")
+
+
+def run_busy(run_dir: Path) -> bool:
+    """Whether a live process holds train.py's lock on the run's workdir (one a killed sweep left
+    running): a probe that takes the lock for an instant and writes nothing."""
+    try:
+        fd = os.open(run_dir / RUN_LOCK_FILE, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError as e:  # a filesystem without locks: no way to know, and train.py runs unguarded there
+        if e.errno in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP):
+            return False
+        raise
+    finally:
+        os.close(fd)

@@ -1,0 +1,293 @@
+"""Sweeps: override grids and run names checked by hand, disjoint shards, one sweep process per workroot,
+failures recorded without stopping the others, and the tiny sweep killed mid-way and restarted finishing
+every run exactly once, then reported."""
+
+import importlib.util
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from gspo_jax import sweeps
+from gspo_jax.sweep_runner import Runner, SweepLock, cpu_slots
+from gspo_jax.workdir import Lock, WorkdirBusy
+
+ROOT = Path(__file__).resolve().parents[1]
+TINY = ROOT / "configs" / "sweeps" / "tiny.py"
+
+spec = importlib.util.spec_from_file_location("sweep_script", ROOT / "scripts" / "sweep.py")
+sweep_script = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(sweep_script)
+
+
+def child_env() -> dict[str, str]:
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)  # the fake 8-device CPU is for this process's tests, not the runs
+    return env
+
+
+# ------------------------------------------------------------------ grid, names, sweep files
+
+
+def test_grid_is_the_product_in_axis_order_last_axis_fastest():
+    assert sweeps.grid({"train.routing_replay": ["none", "R3"]}, seed=[0, 1]) == [
+        {"train.routing_replay": "none", "seed": 0},
+        {"train.routing_replay": "none", "seed": 1},
+        {"train.routing_replay": "R3", "seed": 0},
+        {"train.routing_replay": "R3", "seed": 1},
+    ]
+    assert len(sweeps.grid(algorithm=["grpo", "dapo", "gspo"], seed=[0, 1, 2], **{"train.epochs": [1, 2]})) == 18
+    with pytest.raises(sweeps.SweepError, match="'seed'"):
+        sweeps.grid(seed=[])
+    with pytest.raises(sweeps.SweepError, match="'algorithm'"):
+        sweeps.grid(algorithm="gspo")  # a string is not a list of values
+
+
+def test_run_names_are_readable_deterministic_and_filesystem_safe():
+    name = sweeps.run_name
+    assert name("gspo", {"algorithm": "grpo", "train.routing_replay": "R3", "seed": 1}) == "grpo-replay=R3-seed=1"
+    assert name("gspo", {"seed": 1, "algorithm": "grpo"}) == "grpo-seed=1"  # the algorithm leads
+    assert name("gspo", {}) == "gspo"  # no algorithm override: the base config's
+    assert name("gspo", {"train.learning_rate": 1e-05}) == "gspo-learning_rate=1e-05"
+    # Two keys with one last component: both spelled out.
+    assert (
+        name("gspo", {"train.learning_rate": 0.0001, "warm_start.learning_rate": 0.003, "seed": 0})
+        == "gspo-train.learning_rate=0.0001-warm_start.learning_rate=0.003-seed=0"
+    )
+    assert name("gspo", {"task.ops": "+-*/", "model.dense_layers": (0, 1)}) == "gspo-ops=+-__-dense_layers=_0,_1_"
+    long_a = name("gspo", {f"k{i}": "x" * 20 for i in range(8)})
+    long_b = name("gspo", {f"k{i}": "x" * 20 for i in range(7)} | {"k7": "y" * 20})
+    assert len(long_a) == len(long_b) == 120 and long_a != long_b and long_a[:100] == long_b[:100]
+
+
+def test_the_tiny_sweep_expands_to_four_named_runs_in_two_arms():
+    sweep = sweeps.load_sweep(TINY, ROOT)
+    assert (sweep.name, sweep.base) == ("tiny", "configs/gspo.py:tiny")
+    assert [(r.index, r.name, r.arm, r.config) for r in sweep.runs] == [
+        (0, "grpo-seed=0", "grpo", "configs/grpo.py:tiny"),
+        (1, "grpo-seed=1", "grpo", "configs/grpo.py:tiny"),
+        (2, "gspo-seed=0", "gspo", "configs/gspo.py:tiny"),
+        (3, "gspo-seed=1", "gspo", "configs/gspo.py:tiny"),
+    ]
+    assert sweep.runs[1].train_args("/w/runs/grpo-seed=1") == [
+        "scripts/train.py",
+        "--config",
+        "configs/grpo.py:tiny",
+        "--workdir",
+        "/w/runs/grpo-seed=1",
+        "--config.train.num_iterations=3",  # COMMON's, not in the name
+        "--config.seed=1",
+    ]
+
+
+@pytest.mark.parametrize(
+    "body, message",
+    [
+        ("def runs(): return [{}]", "BASE must name a config"),
+        ("BASE = 'configs/gspo.py:tiny'", "needs a function runs"),
+        ("BASE = 'configs/gspo.py:tiny'\ndef runs(): return []", "yielded no runs"),
+        ("BASE = 'configs/nope.py'\ndef runs(): return [{}]", "config file not found: configs/nope.py"),
+        ("BASE = 'configs/gspo.py'\ndef runs(): yield {'algorithm': 'nope'}", "config file not found: configs/nope.py"),
+        ("BASE = 'configs/gspo.py'\ndef runs(): return [{'seed': 0}, {'seed': 0}]", "runs 0 and 1 are both named"),
+        ("BASE = 'configs/gspo.py'\ndef runs(): return [{'config.seed': 0}]", "without 'config.'"),
+        ("BASE = 'configs/gspo.py'\ndef runs(): return [['seed', 0]]", "not a dict"),
+        ("BASE = 'configs/gspo.py'\ndef runs(): return grid(seed=[0])", "runs\\(\\) failed: NameError"),
+        ("BASE = 1 +", "failed to load: SyntaxError"),
+    ],
+)
+def test_bad_sweep_files_are_refused_with_one_line_naming_the_problem(tmp_path, body, message):
+    path = tmp_path / "bad.py"
+    path.write_text(body + "\n")
+    with pytest.raises(sweeps.SweepError, match=message) as e:
+        sweeps.load_sweep(path, ROOT)
+    assert "\n" not in str(e.value)
+
+
+def test_shards_are_disjoint_and_cover_the_sweep():
+    assert sweeps.parse_shard("1/3") == (1, 3)
+    for bad in ("3/3", "1/0", "-1/2", "a/b", "1", "1/2/3"):
+        with pytest.raises(sweeps.SweepError, match="expected i/n with 0 <= i < n"):
+            sweeps.parse_shard(bad)
+    runs = [sweeps.Run(i, f"r{i}", f"r{i}", "configs/gspo.py", {}) for i in range(7)]
+    parts = [[r.index for r in sweeps.shard(runs, i, 3)] for i in range(3)]
+    assert parts == [[0, 3, 6], [1, 4], [2, 5]]
+
+
+def test_list_prints_names_statuses_and_commands_of_a_shard(tmp_path, capsys):
+    assert sweep_script.main([str(TINY), "--workroot", str(tmp_path), "--list", "--shard", "1/2"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].startswith("# ")
+    assert [line.split("\t")[:2] for line in lines[1:]] == [[n, "not started"] for n in ("grpo-seed=1", "gspo-seed=1")]
+    assert (
+        lines[1]
+        .split("\t")[2]
+        .endswith(
+            f"scripts/train.py --config configs/grpo.py:tiny --workdir {tmp_path}/runs/grpo-seed=1 "
+            "--config.train.num_iterations=3 --config.seed=1"
+        )
+    )
+    assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize(
+    "args, message", [(["--shard", "2/2"], "--shard '2/2'"), (["--parallel", "0"], "--parallel=0: must be >= 1")]
+)
+def test_bad_arguments_are_refused_with_exit_2(tmp_path, capsys, args, message):
+    assert sweep_script.main([str(TINY), "--workroot", str(tmp_path), *args]) == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("error: ") and message in line
+
+
+# ------------------------------------------------------------------ locks, CPUs, state
+
+
+def test_a_second_sweep_on_a_workroot_is_refused_naming_the_holder(tmp_path):
+    with SweepLock(tmp_path):
+        r = subprocess.run(
+            [sys.executable, "scripts/sweep.py", str(TINY), "--workroot", str(tmp_path)],
+            cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+        assert r.returncode == 2, r.stderr
+        (line,) = r.stderr.splitlines()
+        assert "another sweep is running" in line and f"pid {os.getpid()}" in line
+        assert not (tmp_path / "runs").exists()
+    # Shards of one sweep may share a workroot; one shard twice may not.
+    with SweepLock(tmp_path, (0, 2)), SweepLock(tmp_path, (1, 2)), pytest.raises(WorkdirBusy):
+        SweepLock(tmp_path, (0, 2)).acquire()
+
+
+def test_cpu_slots_split_the_cpus_into_disjoint_blocks(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 2, 3}, raising=False)
+    assert cpu_slots(1) == [[0, 1, 2, 3]]
+    assert cpu_slots(2) == [[0, 1], [2, 3]]
+    assert cpu_slots(3) == [[0], [1], [2, 3]]
+    assert cpu_slots(6) == [[0], [0], [1], [2], [2], [3]]  # more runs than CPUs: shared round-robin
+
+
+def test_run_state_is_recorded_per_attempt(tmp_path):
+    run_dir = tmp_path / "r"
+    assert sweeps.status(run_dir) == "not started"
+    run_dir.mkdir()
+    assert sweeps.status(run_dir) == "unfinished"
+    sweeps.record_attempt(run_dir, "stopped", rc=75, seconds=1.5, command=["x"], tail=["a"])
+    assert sweeps.status(run_dir) == "stopped"
+    sweeps.record_attempt(run_dir, "done", rc=0, seconds=2.0, command=["x"], tail=["b"])
+    state = sweeps.read_state(run_dir)
+    assert (state["status"], [a["rc"] for a in state["attempts"]], state["tail"]) == ("done", [75, 0], ["b"])
+    assert sorted(p.name for p in run_dir.iterdir()) == [sweeps.STATE_FILE]  # no temporary file left
+
+
+def test_a_run_held_by_a_live_process_is_busy(tmp_path):
+    assert not sweeps.run_busy(tmp_path)  # no lock file
+    with Lock(tmp_path):
+        assert sweeps.run_busy(tmp_path)
+    assert not sweeps.run_busy(tmp_path)
+
+
+# ------------------------------------------------------------------ the runner, on a fake train.py
+
+FAKE_TRAIN = """
+import json, sys
+from pathlib import Path
+args = dict(a.split("=", 1) for a in sys.argv[1:] if a.startswith("--config.") and "=" in a)
+workdir = Path(sys.argv[sys.argv.index("--workdir") + 1])
+with open(workdir / "ran.txt", "a") as f:
+    f.write("ran\\n")
+if args["--config.seed"] == "1":
+    for i in range(30):
+        print(f"line {i}")
+    sys.exit(1)
+(workdir / "metrics.jsonl").write_text("".join(json.dumps(dict(step=s, eval_accuracy=0.5)) + "\\n" for s in range(3)))
+"""
+
+
+def test_a_failed_run_is_recorded_with_its_log_and_the_others_finish(tmp_path):
+    repo, root = tmp_path / "repo", tmp_path / "root"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "configs").mkdir()
+    (repo / "configs" / "fake.py").write_text("")
+    (repo / "scripts" / "train.py").write_text(textwrap.dedent(FAKE_TRAIN))
+    (repo / "s.py").write_text("BASE = 'configs/fake.py'\ndef runs(): return [{'seed': s} for s in (0, 1, 2)]\n")
+    sweep = sweeps.load_sweep(repo / "s.py", repo)
+    out = tmp_path / "progress.txt"
+    with open(out, "w") as f:
+        assert Runner(sweep.runs, root, repo, parallel=2, out=f).run() == 1
+    status = {r.name: sweeps.status(sweeps.workdir(root, r)) for r in sweep.runs}
+    assert status == {"fake-seed=0": "done", "fake-seed=1": "failed", "fake-seed=2": "done"}
+    failed = sweeps.read_state(root / "runs" / "fake-seed=1")
+    assert failed["attempts"][0]["rc"] == 1
+    assert failed["tail"] == [f"line {i}" for i in range(10, 30)]  # the last 20 lines of the attempt
+    assert "FAILED fake-seed=1 (exit 1)" in out.read_text() and "line 29" in out.read_text()
+    # A rerun retries the failure only, and says which finished run the sweep file now describes otherwise.
+    state = sweeps.read_state(root / "runs" / "fake-seed=0")
+    sweeps.record_attempt(
+        root / "runs" / "fake-seed=0", "done", rc=0, seconds=1, command=[*state["command"], "--config.x=1"], tail=[]
+    )
+    with open(out, "w") as f:
+        assert Runner(sweep.runs, root, repo, parallel=2, out=f).run() == 1
+    ran = {r.name: (root / "runs" / r.name / "ran.txt").read_text().count("ran") for r in sweep.runs}
+    assert ran == {"fake-seed=0": 1, "fake-seed=1": 2, "fake-seed=2": 1}
+    assert "2 already done, 1 to run" in out.read_text()
+    assert "fake-seed=0: finished with other overrides" in out.read_text()
+    assert "fake-seed=2: finished with other" not in out.read_text()
+
+
+# ------------------------------------------------------------------ the tiny sweep, end to end
+
+
+@pytest.mark.slow
+def test_the_tiny_sweep_killed_and_restarted_finishes_every_run_once_then_reports(tmp_path):
+    root = tmp_path / "w"
+    names = [r.name for r in sweeps.load_sweep(TINY, ROOT).runs]
+    args = [sys.executable, "scripts/sweep.py", str(TINY), "--workroot", str(root), "--parallel", "2"]
+    proc = subprocess.Popen(args, cwd=ROOT, env=child_env(), stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 300
+    while True:  # until a run is done and one started after it (in its place) is running
+        statuses = [sweeps.status(root / "runs" / n) for n in names]
+        started = sum((root / "runs" / n / sweeps.LOG_FILE).exists() for n in names)
+        if "done" in statuses and "unfinished" in statuses and started >= 3:
+            break
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()[1]
+        time.sleep(0.1)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=180)
+    assert proc.returncode == 75, err
+    assert "stopping: SIGTERM sent" in err
+    first = {n: sweeps.read_state(root / "runs" / n) for n in names}
+    done_first = [n for n in names if first[n].get("status") == "done"]
+    stopped_first = [n for n in names if first[n].get("status") == "stopped"]
+    assert done_first and stopped_first, first
+    assert all(first[n]["attempts"][-1]["rc"] in (75, 130, -signal.SIGTERM) for n in stopped_first)
+
+    r = subprocess.run(args, cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert f"{len(done_first)} already done" in r.stderr
+    for n in names:
+        state = sweeps.read_state(root / "runs" / n)
+        assert state["status"] == "done"
+        assert [a["rc"] for a in state["attempts"]].count(0) == 1  # finished exactly once
+        steps = [json.loads(line)["step"] for line in (root / "runs" / n / "metrics.jsonl").read_text().splitlines()]
+        assert steps == [0, 1, 2, 3]  # one row per step, after any interruption
+        if n in done_first:  # not run again
+            assert state == first[n]
+            assert (root / "runs" / n / sweeps.LOG_FILE).read_text().count("sweep attempt") == 1
+    for n in stopped_first:
+        assert len(sweeps.read_state(root / "runs" / n)["attempts"]) == 2
+
+    r = subprocess.run([*args, "--report"], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    report = (root / "report.md").read_text()
+    assert "4 runs: 4 done." in report
+    for n in names:
+        assert f"| `{n}` | done | 3 |" in report
+    for arm in ("grpo", "gspo"):
+        assert f"| `{arm}` | 2/2 |" in report
+    figures = sorted(p.name for p in (root / "report").glob("*.png"))
+    assert {"accuracy.png", "clip_fraction.png", "drift_per_layer.png"} <= set(figures)
+    assert all(f"(report/{f})" in report for f in figures)
