@@ -204,3 +204,39 @@ def test_machine_names_the_cores_this_process_may_use():
 
     m = machine()
     assert f", {len(os.sched_getaffinity(0))} cores)" in m and m.endswith("cpu device(s)"), m
+
+
+def test_blocked_expert_candidate_equals_the_dense_path():
+    """`benchmarks.moe_kernels.blocked_experts` (an accelerator candidate measured there) computes the
+    same values and gradients as every expert on every token, masked by the routing (float32)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+
+    from benchmarks.moe_kernels import _inputs, _loss, blocked_experts
+    from gspo_jax import moe
+
+    x, topk, gates, w = _inputs(96, 32, 16, 8, 2, jnp.float32)
+    grad = lambda fn: jax.grad(functools.partial(_loss, fn), argnums=(0, 3, 4, 5))(x, topk, gates, *w)
+    want, want_grads = moe.dense_experts(x, topk, gates, *w), grad(moe.dense_experts)
+    for b in (8, 32):
+        fn = functools.partial(blocked_experts, block=b)
+        np.testing.assert_allclose(fn(x, topk, gates, *w), want, rtol=1e-4, atol=1e-5)
+        for got, ref in zip(grad(fn), want_grads):
+            np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4)
+
+
+def test_moe_kernels_reports_each_paths_compiled_memory(tmp_path):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+    env.pop("XLA_FLAGS", None)
+    out = tmp_path / "moe.json"
+    cmd = [sys.executable, "-m", "benchmarks.moe_kernels", "--dims", "small", "--compile_only"]
+    cmd += ["--paths", "ragged,sparse,blocked256,blocked8", "--out", str(out)]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    res = json.loads(out.read_text())
+    assert [row["path"] for row in res["train"]] == ["ragged", "sparse", "blocked256"]  # small blocks: decode only
+    assert [row["path"] for row in res["decode"]] == ["ragged", "sparse", "blocked8"]
+    assert all(row["temp_bytes"] > 0 and "seconds" not in row for row in res["train"] + res["decode"])
