@@ -16,7 +16,7 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from gspo_jax import sweeps
+from gspo_jax import sweeps, workdir
 from gspo_jax.workdir import Lock
 
 EXIT_DONE, EXIT_FAILED, EXIT_REFUSED, EXIT_STOPPED = 0, 1, 2, 75
@@ -152,7 +152,7 @@ class Runner:
     def _busy(self, run: sweeps.Run) -> bool:
         """Whether another process (a child left running by a killed sweep) holds the run's workdir;
         the run waits for it rather than being refused by train.py and counted as failed."""
-        busy = sweeps.run_busy(sweeps.workdir(self.root, run))
+        busy = workdir.in_use(sweeps.workdir(self.root, run))
         if busy and run.name not in self._waiting:
             self._say(f"waiting for {run.name}: another process holds its workdir (left by an earlier sweep?)")
         (self._waiting.add if busy else self._waiting.discard)(run.name)

@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import dataclasses
 import datetime
-import errno
-import fcntl
 import hashlib
 import importlib.util
 import itertools
@@ -32,7 +30,6 @@ SEED = "seed"  # runs that differ only in it form one arm of the report
 RUNS_DIR = "runs"  # <workroot>/runs/<run name>/ is a run's workdir
 STATE_FILE = ".sweep.json"  # in a run's workdir: its status and attempts, rewritten atomically
 LOG_FILE = "log.txt"  # in a run's workdir: every attempt's stdout and stderr, appended
-RUN_LOCK_FILE = ".lock"  # scripts/train.py's lock on its workdir (gspo_jax.workdir.LOCK_FILE)
 # Readable labels for keys whose last component says little on its own; others use their last component.
 LABELS = {"train.routing_replay": "replay"}
 _MAX_NAME = 120
@@ -200,24 +197,3 @@ def record_attempt(run_dir: Path, status: str, *, rc: int, seconds: float, comma
 
 def _now() -> str:
     return datetime.datetime.now().isoformat(" ", "seconds")
-
-
-def run_busy(run_dir: Path) -> bool:
-    """Whether a live process holds train.py's lock on the run's workdir (one a killed sweep left
-    running): a probe that takes the lock for an instant and writes nothing."""
-    try:
-        fd = os.open(run_dir / RUN_LOCK_FILE, os.O_RDWR)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        fcntl.flock(fd, fcntl.LOCK_UN)
-        return False
-    except BlockingIOError:
-        return True
-    except OSError as e:  # a filesystem without locks: no way to know, and train.py runs unguarded there
-        if e.errno in (errno.ENOSYS, errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOTSUP):
-            return False
-        raise
-    finally:
-        os.close(fd)

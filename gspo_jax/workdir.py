@@ -98,6 +98,27 @@ class Lock:
         self.release()
 
 
+def in_use(workdir: str | os.PathLike) -> bool:
+    """Whether a live process holds `workdir`'s lock: a probe that takes it for an instant and writes
+    nothing (False where there is no lock file, or the filesystem has no locks)."""
+    try:
+        fd = os.open(Path(workdir) / LOCK_FILE, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return False
+    except BlockingIOError:
+        return True
+    except OSError as e:
+        if e.errno in _NO_LOCKS:
+            return False
+        raise
+    finally:
+        os.close(fd)
+
+
 def _read_holder(fd: int) -> str:
     try:
         h = json.loads(os.pread(fd, 4096, 0) or b"{}")

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gspo_jax import sweeps
+from gspo_jax import sweeps, workdir
 from gspo_jax.sweep_runner import Runner, SweepLock, cpu_slots
 from gspo_jax.workdir import Lock, WorkdirBusy
 
@@ -184,10 +184,10 @@ def test_run_state_is_recorded_per_attempt(tmp_path):
 
 
 def test_a_run_held_by_a_live_process_is_busy(tmp_path):
-    assert not sweeps.run_busy(tmp_path)  # no lock file
+    assert not workdir.in_use(tmp_path)  # no lock file
     with Lock(tmp_path):
-        assert sweeps.run_busy(tmp_path)
-    assert not sweeps.run_busy(tmp_path)
+        assert workdir.in_use(tmp_path)
+    assert not workdir.in_use(tmp_path)
 
 
 # ------------------------------------------------------------------ the runner, on a fake train.py
