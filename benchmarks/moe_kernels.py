@@ -11,6 +11,9 @@ backward) and of one decode step (forward of a small batch), with the analytic F
 only routed work: 2 x 3 matmuls x rows x D x F forward, 3x that forward + backward. A decode step
 must read every expert's weights once (a batch x top-k of 512 touches nearly all 128 experts): its
 floor is those bytes at the device's copy bandwidth, measured here too.
+
+It imports only `gspo_jax.moe` (JAX and flax), not `benchmarks.run`, whose imports (the trainer,
+transformers, ml_collections) a bare accelerator image lacks: hence its own small timer and peak.
 """
 
 from __future__ import annotations
