@@ -256,9 +256,9 @@ class Runner:
 
 
 def _without_workdir(args: list[str]) -> list[str]:
-    """train.py's arguments but the workdir (the same run, in a workroot that has moved)."""
+    """train.py's arguments but the paths in the workroot (the same run, in a workroot that has moved)."""
     i = args.index("--workdir") if "--workdir" in args else len(args)
-    return args[:i] + args[i + 2 :]
+    return [a for a in args[:i] + args[i + 2 :] if not a.startswith(sweeps.CACHE_FLAG)]
 
 
 def _tail(path: Path, offset: int, lines: int = TAIL_LINES) -> list[str]:

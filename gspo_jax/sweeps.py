@@ -8,7 +8,9 @@ A sweep file defines
     def runs(): return grid(algorithm=["grpo", "gspo"], seed=[0, 1])   # or yield override dicts
 
 Every key is a `--config.KEY=VALUE` override of scripts/train.py except `algorithm`, which picks the
-config file beside BASE's (`configs/<algorithm>.py`): an algorithm is its config file, not a key.
+config file beside BASE's (`configs/<algorithm>.py`): an algorithm is its config file, not a key. A
+study config that takes the algorithm as its argument says so with a placeholder:
+    BASE = "configs/study/moe_drift.py:{algorithm}"
 """
 
 from __future__ import annotations
@@ -28,6 +30,10 @@ from typing import Any
 ALGORITHM = "algorithm"  # switches the config file instead of overriding a key
 SEED = "seed"  # runs that differ only in it form one arm of the report
 RUNS_DIR = "runs"  # <workroot>/runs/<run name>/ is a run's workdir
+# <workroot>/warm_starts/: the runs' shared warm-start cache (runs of one seed share one warm start,
+# trained by the first run to need it while the others wait), unless a run sets warm_start.cache_dir.
+WARM_STARTS = "warm_starts"
+CACHE_FLAG = "--config.warm_start.cache_dir="
 STATE_FILE = ".sweep.json"  # in a run's workdir: its status and attempts, rewritten atomically
 LOG_FILE = "log.txt"  # in a run's workdir: every attempt's stdout and stderr, appended
 # Readable labels for keys whose last component says little on its own; others use their last component.
@@ -82,6 +88,8 @@ class Run:
     def train_args(self, workdir: str | os.PathLike) -> list[str]:
         """scripts/train.py's arguments for this run in `workdir`."""
         flags = [f"--config.{k}={value_text(v)}" for k, v in self.overrides.items()]
+        if "warm_start.cache_dir" not in self.overrides:
+            flags.append(f"{CACHE_FLAG}{Path(workdir).parent.parent / WARM_STARTS}")
         return ["scripts/train.py", "--config", self.config, "--workdir", str(workdir), *flags]
 
 
@@ -129,8 +137,12 @@ def load_sweep(path: str | os.PathLike, repo: str | os.PathLike) -> Sweep:
             raise SweepError(f"{path}: run {index} is {overrides!r}, not a dict of 'KEY': value overrides")
         if any(k.startswith("config.") for k in overrides):
             raise SweepError(f"{path}: run {index}: write keys without 'config.' (e.g. 'train.routing_replay')")
-        config_file = Path(config_path)
-        if ALGORITHM in overrides:
+        config_file, run_arg = Path(config_path), arg
+        if "{algorithm}" in arg:  # the study config takes the algorithm as its argument
+            if ALGORITHM not in overrides:
+                raise SweepError(f"{path}: run {index}: BASE {base!r} needs an 'algorithm' in every run")
+            run_arg = arg.replace("{algorithm}", str(overrides[ALGORITHM]))
+        elif ALGORITHM in overrides:
             config_file = config_file.with_name(f"{overrides[ALGORITHM]}.py")
         if not (repo / config_file).is_file():
             raise SweepError(f"{path}: run {index}: config file not found: {config_file}")
@@ -140,7 +152,7 @@ def load_sweep(path: str | os.PathLike, repo: str | os.PathLike) -> Sweep:
             raise SweepError(f"{path}: runs {seen[name]} and {index} are both named {name!r}")
         seen[name] = index
         arm = run_name(config_file.stem, {k: v for k, v in overrides.items() if k != SEED})
-        runs.append(Run(index, name, arm, f"{config_file.as_posix()}{sep}{arg}", merged))
+        runs.append(Run(index, name, arm, f"{config_file.as_posix()}{sep}{run_arg}", merged))
     return Sweep(path.stem, base, runs)
 
 

@@ -6,6 +6,7 @@ through the project's checkpoint module, keyed by everything that determines it.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
@@ -25,6 +26,7 @@ from gspo_jax import sharding as sharding_lib
 from gspo_jax.checkpoint import Checkpointer
 from gspo_jax.rollout import Rollout
 from gspo_jax.tasks import prompt_iterator
+from gspo_jax.workdir import Lock
 
 
 def sft_step(graphdef, tx, params, opt_state, tokens_BT, positions_BT, mask_BT):
@@ -70,7 +72,11 @@ def warm_start(
         return params, {}
     abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
     cache = Path(w.cache_dir or workdir) / f"warm_start_{cache_key(config)}"
-    with Checkpointer(cache, max_to_keep=1, async_save=False) as ckpt:
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    # Runs sharing a cache (a sweep's) take turns: the first trains and saves, the others wait and
+    # restore. One process only: on several, every process must take part in the training steps.
+    turn = Lock(cache.parent, f".{cache.name}.lock", wait=True) if jax.process_count() == 1 else None
+    with turn or contextlib.nullcontext(), Checkpointer(cache, max_to_keep=1, async_save=False) as ckpt:
         restored = ckpt.restore_latest(abstract)
         if restored is not None:
             _, params, info = restored

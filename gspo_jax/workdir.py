@@ -52,17 +52,24 @@ class Lock:
 
     The kernel drops the lock when its process dies, however it dies, so a lock left by a dead run
     is simply taken over (and logged). A live holder makes `acquire` raise `WorkdirBusy` without
-    changing any file.
+    changing any file, or, with `wait=True`, blocks until it lets go (a cache several runs share).
     """
 
-    def __init__(self, workdir: str | os.PathLike):
-        self.path = Path(workdir) / LOCK_FILE
+    def __init__(self, workdir: str | os.PathLike, name: str = LOCK_FILE, *, wait: bool = False):
+        self.path = Path(workdir) / name
+        self.wait = wait
         self._fd: int | None = None
 
     def acquire(self) -> Lock:
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not self.wait:
+                    raise
+                log.info("waiting for %s, held by %s", self.path, _read_holder(fd))
+                fcntl.flock(fd, fcntl.LOCK_EX)
         except BlockingIOError:
             holder = _read_holder(fd)
             os.close(fd)
@@ -86,6 +93,7 @@ class Lock:
 
     def release(self) -> None:
         if self._fd is not None:
+            os.ftruncate(self._fd, 0)  # a holder record left behind means its process died holding it
             with contextlib.suppress(OSError):  # no lock to release where the filesystem has none
                 fcntl.flock(self._fd, fcntl.LOCK_UN)
             os.close(self._fd)

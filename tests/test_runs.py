@@ -4,10 +4,12 @@ codes, one metrics row per step after any interruption."""
 
 import errno
 import json
+import logging
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -223,6 +225,31 @@ def test_a_lock_left_by_a_dead_process_is_taken_over(tmp_path, caplog):
     with workdir.Lock(tmp_path):
         assert json.loads((tmp_path / workdir.LOCK_FILE).read_text())["pid"] == os.getpid()
     assert any(f"pid {holder.pid}" in r.getMessage() for r in caplog.records)
+
+
+def test_a_waiting_lock_takes_its_turn_after_a_clean_release(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"from gspo_jax.workdir import Lock; l = Lock({str(tmp_path)!r}, 'w.lock').acquire(); input(); l.release()",
+        ],
+        stdin=subprocess.PIPE,
+    )
+    deadline = time.time() + 60
+    while not (tmp_path / "w.lock").exists() or not (tmp_path / "w.lock").read_text():
+        assert time.time() < deadline
+        time.sleep(0.1)
+    start = time.monotonic()
+    threading.Timer(1.0, lambda: holder.communicate(b"\n")).start()
+    with workdir.Lock(tmp_path, "w.lock", wait=True):  # blocks until the holder lets go, 1 s from now
+        assert time.monotonic() - start >= 0.9
+        assert json.loads((tmp_path / "w.lock").read_text())["pid"] == os.getpid()
+    messages = [r.getMessage() for r in caplog.records]
+    assert any(f"held by pid {holder.pid}" in m for m in messages)
+    assert not any("took over" in m for m in messages)  # released cleanly: nothing to take over
+    assert (tmp_path / "w.lock").read_text() == ""
 
 
 def test_a_filesystem_without_locks_runs_unguarded_and_says_so(tmp_path, monkeypatch, caplog):

@@ -83,6 +83,7 @@ def test_the_tiny_sweep_expands_to_four_named_runs_in_two_arms():
         "/w/runs/grpo-seed=1",
         "--config.train.num_iterations=3",  # COMMON's, not in the name
         "--config.seed=1",
+        "--config.warm_start.cache_dir=/w/warm_starts",  # shared by the sweep's runs
     ]
 
 
@@ -99,6 +100,7 @@ def test_the_tiny_sweep_expands_to_four_named_runs_in_two_arms():
         ("BASE = 'configs/gspo.py'\ndef runs(): return [['seed', 0]]", "not a dict"),
         ("BASE = 'configs/gspo.py'\ndef runs(): return grid(seed=[0])", "runs\\(\\) failed: NameError"),
         ("BASE = 1 +", "failed to load: SyntaxError"),
+        ("BASE = 'configs/gspo.py:{algorithm}'\ndef runs(): return [{'seed': 0}]", "needs an 'algorithm' in every"),
     ],
 )
 def test_bad_sweep_files_are_refused_with_one_line_naming_the_problem(tmp_path, body, message):
@@ -107,6 +109,19 @@ def test_bad_sweep_files_are_refused_with_one_line_naming_the_problem(tmp_path, 
     with pytest.raises(sweeps.SweepError, match=message) as e:
         sweeps.load_sweep(path, ROOT)
     assert "\n" not in str(e.value)
+
+
+def test_a_base_with_an_algorithm_placeholder_passes_the_algorithm_as_the_config_argument(tmp_path):
+    path = tmp_path / "study.py"
+    path.write_text(
+        "BASE = 'configs/gspo.py:{algorithm}'\ndef runs(): return grid(algorithm=['tiny'], seed=[0, 1])\n"
+        "from gspo_jax.sweeps import grid\n"
+    )
+    sweep = sweeps.load_sweep(path, ROOT)
+    assert [(r.name, r.arm, r.config) for r in sweep.runs] == [
+        ("tiny-seed=0", "tiny", "configs/gspo.py:tiny"),
+        ("tiny-seed=1", "tiny", "configs/gspo.py:tiny"),
+    ]
 
 
 def test_shards_are_disjoint_and_cover_the_sweep():
