@@ -233,6 +233,20 @@ def test_cli_selects_a_task_by_name_with_its_section(tmp_path, args):
     assert r.returncode == EXIT_REFUSED and f"in use by pid {os.getpid()}" in one_line(r)
 
 
+def test_a_run_on_a_mesh_smaller_than_the_devices_warns_naming_the_idle_ones(tmp_path, monkeypatch, caplog):
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(train, "init_policy", stop)  # the run stops right after building its mesh
+    with pytest.raises(Stop):
+        train.train_and_evaluate(base_config("gspo", "tiny"), tmp_path, progress=False)  # a mesh of 1 of 8
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "gspo_jax.sharding"]
+    assert "uses 1 of this process's 8 devices; idle: cpu:1, cpu:2, cpu:3, cpu:4, cpu:5, cpu:6, cpu:7" in warning
+
+
 def test_cli_refuses_a_workdir_that_cannot_be_created(tmp_path):
     (tmp_path / "a_file").write_text("x")
     r = cli("--config", "configs/gspo.py:tiny", "--workdir", str(tmp_path / "a_file" / "run"))
