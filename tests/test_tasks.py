@@ -722,3 +722,25 @@ def test_missing_key_names_what_the_section_holds():
     )
     assert "e.g. config.task.arithmetic.digits" in config_lib.missing_key(c, "task.digits")
     assert "config.seed is a value" in config_lib.missing_key(c, "seed.x")
+
+
+def test_the_flagship_size_starts_on_the_shipped_data():
+    """configs/grpo.py:qwen3_30b_a3b shrunk as a new user would try it on a CPU: it builds, and both of
+    its task's splits give a rollout's worth of prompts (the fixture used to leave "eval" empty)."""
+    c = config_lib.base_config("grpo", "qwen3_30b_a3b")
+    c.model.num_layers = 2
+    c.mesh.update(fsdp=1, expert=1)
+    built = config_lib.build(c, device_count=1)
+    assert built.task.name == "gsm8k" and built.task.path == ""  # the shipped fixture
+    for split in ("train", "eval"):
+        assert len(prompt_iterator(built.task, seed=0, split=split).next_batch(c.rollout.num_groups)) == 64
+
+
+def test_a_run_recorded_with_the_flat_task_layout_stays_readable(tmp_path):
+    from gspo_jax import snapshots
+
+    old = config_lib.base_config("gspo", "tiny").to_dict()
+    old["task"] = {"name": "arithmetic", "digits": 2, "operands": 3, "ops": "+"}  # before task sections
+    (tmp_path / "config.json").write_text(json.dumps(old, default=list))
+    task = snapshots.open_run(tmp_path).config.task
+    assert task.name == "arithmetic" and (task.arithmetic.digits, task.arithmetic.operands) == (2, 3)
