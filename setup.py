@@ -25,6 +25,7 @@ setup(
         "transformers>=5.23.0",
         "ml_collections>=1.1.0",
         "math-verify>=0.9.0",  # dataset-task rewards (GSM8K-style answers)
+        "pyarrow>=16.0",  # dataset tasks read Parquet files (16: the first with numpy 2)
         "safetensors>=0.8.0",  # Hugging Face checkpoints, read and written without torch
         "ml_dtypes>=0.6.0",
         "absl-py>=2.5.1",  # scripts/train.py: flags and config overrides

@@ -5,6 +5,16 @@ which turns it into the typed, validated pieces before any work starts.
 train and warm-start settings, the mesh; then the algorithm (`gspo_jax/algorithms.py`) fills in its
 loss, advantage scaling and rollout tricks. Sizes: `tiny` (tests), `default` (learns in minutes on 2
 CPU cores) or `qwen3_30b_a3b` (the TPU shape).
+
+Tasks (`task_config`): `config.task.name` picks the task, and `config.task` holds one section per
+registered task (`tasks.TASKS`), each exactly that task's dataclass fields, at their defaults unless
+the size sets them. Only the named task's section is read, so one flag switches task with its
+settings at hand: `--config.task.name=countdown --config.task.countdown.count=4`, or your own data with
+`--config.task.name=gsm8k --config.task.gsm8k.path=train.parquet --config.task.gsm8k.eval_path=test.jsonl`.
+
+`build` refuses at the door (a one-line `ConfigError`, exit 2 from scripts/train.py, nothing written)
+whatever cannot work: a bad value or unknown field, a path that does not exist, a task whose train or
+eval split would be empty, a prompt bucket (`prompt_len`) shorter than the task's longest prompt.
 """
 
 from __future__ import annotations
@@ -22,7 +32,7 @@ from gspo_jax import model as model_lib
 from gspo_jax.critic import CriticConfig
 from gspo_jax.optimizer import OptimizerConfig
 from gspo_jax.rollout import RolloutConfig
-from gspo_jax.tasks import load_tokenizer, make_task
+from gspo_jax.tasks import TASKS, check_fields, check_splits, load_tokenizer, make_task, task_fields
 from gspo_jax.validation import ConfigError, check, check_choice, check_int, is_int
 
 SIZES = ("tiny", "default", "qwen3_30b_a3b")
@@ -50,6 +60,37 @@ def _dataclass_dict(dc) -> dict[str, Any]:
     return {f.name: getattr(dc, f.name) for f in dataclasses.fields(dc)}
 
 
+def task_config(name: str, **values) -> ml_collections.ConfigDict:
+    """`config.task`: `name`, the task to run, and one section per registered task holding exactly its
+    dataclass fields with their defaults; `values` set fields of task `name`'s section."""
+    check_fields(name, values)
+    sections = {n: {**task_fields(n), **(values if n == name else {})} for n in TASKS}
+    return ml_collections.ConfigDict(dict(name=name, **sections))
+
+
+def task_settings(c: ml_collections.ConfigDict) -> dict[str, Any]:
+    """The task a config runs: its name and its section's values (what its results depend on)."""
+    return dict(name=c.task.name, **c.task.get(c.task.name, {}))
+
+
+def missing_key(c: ml_collections.ConfigDict, key: str) -> str | None:
+    """Why `config.<key>` (dotted) is not a key of `c`, in one line naming what its section holds (a
+    task section: that task's fields); None when it is a key."""
+    node, path = c, ["config"]
+    for part in key.split("."):
+        if not isinstance(node, ml_collections.ConfigDict):
+            return f"no such config key: {key}; {'.'.join(path)} is a value, not a section"
+        if part not in node:
+            if path[1:2] == ["task"] and len(path) == 3 and path[2] in TASKS:
+                return f"no such config key: {key}; task {path[2]!r} has the fields: {', '.join(task_fields(path[2]))}"
+            hint = ""
+            if path[1:] == ["task"] and any(part in task_fields(n) for n in TASKS):
+                hint = f" (a task's fields live in its section, e.g. config.task.{node.get('name')}.{part})"
+            return f"no such config key: {key}; {'.'.join(path)} has: {', '.join(sorted(node.keys()))}{hint}"
+        node, path = node[part], [*path, part]
+    return None
+
+
 def _optimizer_keys(**values) -> dict[str, Any]:
     """Every `OptimizerConfig` key (AdamW, warmup then cosine decay), its defaults where not given."""
     opt = OptimizerConfig(**values)
@@ -75,7 +116,7 @@ def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigD
 
     # Sums of three one-digit numbers: the warm start solves ~17% of held-out prompts, which leaves
     # RL both headroom and informative groups (see the README's results).
-    c.task = ml_collections.ConfigDict(dict(name="arithmetic", digits=1, operands=3, ops="+"))
+    c.task = task_config("arithmetic", digits=1, operands=3, ops="+")
     c.prompt_len = 24  # the prompt bucket (BOS + prompt), tokens
     c.max_new_tokens = 12
 
@@ -123,7 +164,7 @@ def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigD
         c.train.update(num_iterations=3, minibatches=2, eval_every=2, eval_batches=1, checkpoint_every=1)
         c.warm_start.update(steps=4, batch_size=8, warmup_steps=1)
     if size == "qwen3_30b_a3b":
-        c.task = ml_collections.ConfigDict(dict(name="gsm8k"))
+        c.task = task_config("gsm8k")  # the shipped GSM8K-format fixture; point task.gsm8k.path at yours
         c.prompt_len, c.max_new_tokens = 512, 1024
         c.rollout.update(num_groups=64, group_size=8)
         c.train.update(num_iterations=500, minibatches=4, learning_rate=1e-6, warmup_steps=10)
@@ -199,10 +240,7 @@ def build(c: ml_collections.ConfigDict, device_count: int | None = None) -> Buil
             raise ConfigError(f"config.hf_checkpoint={c.hf_checkpoint!r}: {e}") from None
     loss_cfg = _typed("loss", losses.LossConfig, dict(c.loss))
     rollout_cfg = _typed("rollout", RolloutConfig, dict(c.rollout))
-    try:
-        task = make_task(c.task.name, **{k: v for k, v in c.task.items() if k != "name"})
-    except ValueError as e:
-        raise ConfigError(f"config.task: {e}") from None
+    task = _task(c.task)
     t, w = c.train, c.warm_start
     for key in ("prompt_len", "max_new_tokens"):
         check_int("config", key, c[key])
@@ -280,7 +318,7 @@ def build(c: ml_collections.ConfigDict, device_count: int | None = None) -> Buil
         "config",
         "prompt_len",
         c.prompt_len,
-        f"the prompt bucket must hold the task's longest prompt: {longest} tokens (BOS included)",
+        f"the prompt bucket must hold the longest prompt of task {task.name!r}: {longest} tokens (BOS included)",
     )
     check(
         model_cfg.vocab_size >= 128 or bool(c.tokenizer_path),
@@ -301,6 +339,30 @@ def build(c: ml_collections.ConfigDict, device_count: int | None = None) -> Buil
         batch // t.minibatches, c.prompt_len + c.max_new_tokens, data, t.microbatches, t.microbatch_tokens
     )
     return Built(model=model_cfg, loss=loss_cfg, rollout=rollout_cfg, task=task, critic=critic_cfg, microbatches=micro)
+
+
+def _task(section: ml_collections.ConfigDict):
+    """The task `config.task` names, built from its section; every section's fields checked, and the
+    task's train and eval splits checked non-empty (`tasks.check_splits`)."""
+    name = section.get("name")
+    check_choice("config", "task.name", name, sorted(TASKS))
+    stray = sorted(set(section) - {"name"} - set(TASKS))
+    if stray:
+        raise ConfigError(
+            f"config.task: unknown key(s) {stray}; it holds `name` and one section per task, {sorted(TASKS)}, "
+            f"each with that task's fields (e.g. config.task.{name}.{stray[0]})"
+        )
+    for n in TASKS:  # every section: a misspelt field is refused even where another task runs
+        try:
+            check_fields(n, section.get(n, {}))
+        except ConfigError as e:
+            raise ConfigError(f"config.task.{n}: {e}") from None
+    try:
+        task = make_task(name, **dict(section.get(name, {})))
+        check_splits(task)
+    except ValueError as e:  # ConfigError included; one line, prefixed with the section
+        raise ConfigError(f"config.task.{name}: {str(e).splitlines()[0]}") from None
+    return task
 
 
 def update_microbatches(rows: int, seq_len: int, data: int, at_least: int, max_tokens: int) -> int:

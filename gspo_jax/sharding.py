@@ -10,6 +10,7 @@ axis names (see `param`); nothing here knows the model's structure.
 from __future__ import annotations
 
 import functools
+import logging
 import math
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -19,6 +20,8 @@ import numpy as np
 from flax import nnx
 from jax.sharding import AxisType, Mesh, NamedSharding
 from jax.sharding import PartitionSpec as P
+
+log = logging.getLogger(__name__)
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor")
 # The mesh axes that split a batch. Outside the MoE block the expert axis carries data too: its
@@ -84,6 +87,24 @@ def mesh_from_config(data: int, fsdp: int, expert: int, tensor: int, devices=Non
     known = math.prod(v for v in sizes.values() if v != -1)
     sizes = {k: (len(devices) // max(known, 1) if v == -1 else v) for k, v in sizes.items()}
     return make_mesh(**sizes, devices=devices)
+
+
+def warn_idle_devices(mesh: Mesh) -> list:
+    """Logs one warning line naming this process's devices that `mesh` leaves idle (a mesh smaller
+    than the machine runs, but on part of it); returns them."""
+    used = set(mesh.devices.flat)
+    idle = [d for d in jax.local_devices() if d not in used]
+    if idle:
+        names = [f"{d.platform}:{d.id}" for d in idle]
+        shown = ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+        log.warning(
+            "the mesh %s uses %d of this process's %d devices; idle: %s (set a mesh axis to -1 to use them all)",
+            dict(mesh.shape),
+            len(used),
+            len(jax.local_devices()),
+            shown,
+        )
+    return idle
 
 
 def make_mesh(data: int = 1, fsdp: int = 1, expert: int = 1, tensor: int = 1, devices=None) -> Mesh:

@@ -70,6 +70,11 @@ def _with_defaults(recorded: dict) -> dict:
         base = config_lib.base_config(recorded.get("algorithm", "")).to_dict()
     except ValueError:  # an algorithm this code does not know: build() will say so
         return recorded
+    task = recorded.get("task")
+    if isinstance(task, dict) and not isinstance(task.get(task.get("name")), dict):
+        # Recorded before config.task had one section per task: the task's fields sat beside its name.
+        fields = {k: v for k, v in task.items() if k != "name"}
+        recorded = {**recorded, "task": {"name": task.get("name"), task.get("name"): fields}}
     return merge(base, recorded)
 
 
@@ -303,7 +308,7 @@ def make_probe(
     meta = dict(
         workdir=str(run.workdir),
         step=int(step),
-        task=c.task.to_dict(),
+        task=config_lib.task_settings(c),
         split="eval",
         seed=int(seed),
         num_prompts=int(num_prompts),

@@ -576,6 +576,7 @@ def train_and_evaluate(
 def _run(config, built: config_lib.Built, workdir: Path, *, progress: bool, log_every: int) -> dict[str, float]:
     t, is_main = config.train, jax.process_index() == 0
     mesh = sharding_lib.mesh_from_config(**config.mesh)
+    sharding_lib.warn_idle_devices(mesh)  # after every refusal: a refused run still prints one line
     graphdef, params = init_policy(config, built.model, mesh)
     programs = compile_in_background(compile_programs(config, built, graphdef, params, mesh), config, built, params)
     batch_size = built.rollout.num_groups * built.rollout.group_size

@@ -22,6 +22,7 @@ A refused run leaves the workdir byte-for-byte as it was. Re-running on a workdi
 latest good checkpoint.
 """
 
+import importlib.util
 import logging
 import os
 import sys
@@ -93,11 +94,31 @@ def parse_flags(argv):
     try:
         return flags.FLAGS(argv)
     except (AttributeError, KeyError) as e:  # config_flags' way of saying "no such key"
-        refuse(f"no such config key: {str(e).strip(chr(34))}")
+        refuse(unknown_key(argv) or f"no such config key: {str(e).strip(chr(34))}")
     except (flags.Error, ValueError, TypeError) as e:
         lines = [x.strip() for x in str(e).splitlines() if x.strip()]
         # An error raised inside get_config arrives wrapped in a traceback: its last line says it.
         refuse(lines[-1].split(": ", 1)[-1] if "Traceback" in str(e) else lines[0])
+
+
+def unknown_key(argv) -> str | None:
+    """The first `--config.KEY=` override that is not a key, said in one line with what its section
+    holds (a task's section: that task's fields); None if the config file cannot be loaded."""
+    spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
+    spec = spec or next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"), None)
+    try:  # as config_flags loads it: the file's get_config(arg) ("file.py:arg"; no arg: its default)
+        path, _, arg = spec.partition(":")
+        module = importlib.util.module_from_spec(importlib.util.spec_from_file_location("_config", path))
+        module.__loader__.exec_module(module)
+        config = module.get_config(arg) if arg else module.get_config()
+    except Exception:  # noqa: BLE001  (any failure: fall back to config_flags' own words)
+        return None
+    for arg in argv[1:]:
+        if arg.startswith("--config."):
+            why = config_lib.missing_key(config, arg.removeprefix("--config.").split("=", 1)[0])
+            if why:
+                return why
+    return None
 
 
 def start_processes() -> None:

@@ -71,7 +71,9 @@ def rows(path: Path) -> list[int]:
         ("tokenizer_path", "/no/such/tokenizer", "tokenizer_path"),
         ("hf_checkpoint", "/no/such/checkpoint", "hf_checkpoint"),
         ("warm_start.cache_dir", "/no/such/parent/cache", "cache_dir"),
-        ("task.digits", 0, "digits"),
+        ("task.arithmetic.digits", 0, "digits"),
+        ("task.arithmetic.holdout", 1.0, "holdout"),
+        ("task.name", "sudoku", "task.name"),
         ("train.drift_subsample", 3, "drift_subsample"),  # not a divisor of the batch of 8
         ("train.drift_subsample", 0, "drift_subsample"),
         ("model.batch_chunks", 3, "batch_chunks"),  # not a divisor of the batch of 8
@@ -187,6 +189,64 @@ def test_cli_refuses_bad_input_in_one_line_and_leaves_the_workdir_untouched(tmp_
     assert r.returncode == EXIT_REFUSED, r.stderr
     assert words in one_line(r)
     assert snapshot(work) == before
+
+
+GSM8K = ["--config.task.name=gsm8k", "--config.prompt_len=160"]
+QA = [{"question": "What is two plus two?", "answer": "#### 4"}, {"question": "Half of 9?", "answer": "#### 4.5"}]
+
+
+@pytest.mark.parametrize(
+    "args, words",
+    [
+        (["--config.task.arithmetic.foo=1"], "task.arithmetic.foo; task 'arithmetic' has the fields: format_reward, "),
+        (["--config.task.digits=2"], "no such config key: task.digits; config.task has: arithmetic, countdown, gsm8k"),
+        (["--config.task.name=countdown"], "prompt_len=24 is not allowed; the prompt bucket must hold the longest"),
+        ([*GSM8K, "--config.task.gsm8k.path=/no/qa.jsonl"], "config.task.gsm8k: DatasetTask.path='/no/qa.jsonl'"),
+        ([*GSM8K, "--config.task.gsm8k.path={qa}"], "split 'eval' of 'gsm8k' is empty: none of its 2 records"),
+        ([*GSM8K, "--config.task.gsm8k.eval_path=/no/x.json"], "config.task.gsm8k: DatasetTask.eval_path='/no/x.json'"),
+    ],
+)
+def test_cli_refuses_a_task_that_cannot_run_and_writes_nothing(tmp_path, args, words):
+    qa = tmp_path / "qa.jsonl"  # two records, neither held out at 1/16: an empty eval split
+    qa.write_text("".join(json.dumps(r) + "\n" for r in QA))
+    work = tmp_path / "work"
+    r = cli("--config", "configs/gspo.py:tiny", *[a.format(qa=qa) for a in args], "--workdir", str(work))
+    assert r.returncode == EXIT_REFUSED, r.stderr
+    assert words in one_line(r)
+    assert not work.exists()
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--config.task.name=countdown", "--config.prompt_len=40", "--config.task.countdown.count=4"],
+        GSM8K,  # the shipped fixture
+        [*GSM8K, "--config.task.gsm8k.path={qa}", "--config.task.gsm8k.eval_path={qa}"],
+    ],
+)
+def test_cli_selects_a_task_by_name_with_its_section(tmp_path, args):
+    """The config passes build (a held workdir is refused only after it), so the task's keys arrive."""
+    qa = tmp_path / "qa.jsonl"
+    qa.write_text("".join(json.dumps(r) + "\n" for r in QA))
+    work = tmp_path / "work"
+    work.mkdir()
+    with workdir.Lock(work):
+        r = cli("--config", "configs/gspo.py:tiny", *[a.format(qa=qa) for a in args], "--workdir", str(work))
+    assert r.returncode == EXIT_REFUSED and f"in use by pid {os.getpid()}" in one_line(r)
+
+
+def test_a_run_on_a_mesh_smaller_than_the_devices_warns_naming_the_idle_ones(tmp_path, monkeypatch, caplog):
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+
+    monkeypatch.setattr(train, "init_policy", stop)  # the run stops right after building its mesh
+    with pytest.raises(Stop):
+        train.train_and_evaluate(base_config("gspo", "tiny"), tmp_path, progress=False)  # a mesh of 1 of 8
+    [warning] = [r.getMessage() for r in caplog.records if r.name == "gspo_jax.sharding"]
+    assert "uses 1 of this process's 8 devices; idle: cpu:1, cpu:2, cpu:3, cpu:4, cpu:5, cpu:6, cpu:7" in warning
 
 
 def test_cli_refuses_a_workdir_that_cannot_be_created(tmp_path):

@@ -1,5 +1,7 @@
 """Tests for the logical-axis sharding helpers (sharding.py) on the fake 8-device mesh."""
 
+import logging
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -135,3 +137,19 @@ def test_batch_and_cache_shardings():
     assert cs.index.spec == P()
     placed = jax.device_put(model_lib.init_cache(model_lib.get_config("tiny"), 4, 16), cs)
     assert all(x.sharding.spec == want.spec for x, want in zip(placed.k + placed.v, cs.k + cs.v))
+
+
+def test_a_mesh_on_part_of_the_devices_warns_in_one_line_naming_the_idle_ones(caplog):
+    assert len(jax.local_devices()) == 8  # conftest's fake CPU devices
+    with caplog.at_level(logging.WARNING, logger="gspo_jax.sharding"):
+        idle = sharding.warn_idle_devices(sharding.mesh_from_config(data=2, fsdp=1, expert=1, tensor=1))
+    assert idle == jax.local_devices()[2:]
+    [message] = [r.getMessage() for r in caplog.records]
+    assert message == (
+        "the mesh {'data': 2, 'fsdp': 1, 'expert': 1, 'tensor': 1} uses 2 of this process's 8 devices; "
+        "idle: cpu:2, cpu:3, cpu:4, cpu:5, cpu:6, cpu:7 (set a mesh axis to -1 to use them all)"
+    )
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="gspo_jax.sharding"):
+        assert sharding.warn_idle_devices(sharding.mesh_from_config(data=2, fsdp=-1, expert=1, tensor=1)) == []
+    assert not caplog.records  # a mesh over every device: silent

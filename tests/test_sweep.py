@@ -60,7 +60,8 @@ def test_run_names_are_readable_deterministic_and_filesystem_safe():
         name("gspo", {"train.learning_rate": 0.0001, "warm_start.learning_rate": 0.003, "seed": 0})
         == "gspo-train.learning_rate=0.0001-warm_start.learning_rate=0.003-seed=0"
     )
-    assert name("gspo", {"task.ops": "+-*/", "model.dense_layers": (0, 1)}) == "gspo-ops=+-__-dense_layers=_0,_1_"
+    dense = {"task.arithmetic.ops": "+-*/", "model.dense_layers": (0, 1)}
+    assert name("gspo", dense) == "gspo-ops=+-__-dense_layers=_0,_1_"
     long_a = name("gspo", {f"k{i}": "x" * 20 for i in range(8)})
     long_b = name("gspo", {f"k{i}": "x" * 20 for i in range(7)} | {"k7": "y" * 20})
     assert len(long_a) == len(long_b) == 120 and long_a != long_b and long_a[:100] == long_b[:100]

@@ -2,16 +2,19 @@
 
 import collections
 import dataclasses
+import hashlib
 import json
+import subprocess
 import sys
 import threading
-import types
+from pathlib import Path
 
 import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gspo_jax import config as config_lib
 from gspo_jax.tasks import (
     BOS_ID,
     EOS_ID,
@@ -30,14 +33,19 @@ from gspo_jax.tasks import (
     TaskPrompts,
     answer_text,
     answers_match,
+    check_splits,
     expressions,
     load_tokenizer,
     make_task,
     parse_int,
     prompt_iterator,
     solutions,
+    task_fields,
 )
+from gspo_jax.tasks.prompts import in_holdout
 from gspo_jax.tasks.tokenizer import write_tokenizer_files
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Difficulty settings exercised by the demonstration and tokenizer tests.
 TASK_CONFIGS = [
@@ -368,9 +376,19 @@ def example_with_answer(task, answer):
 
 
 def test_fixture_loads(gsm8k):
-    assert len(gsm8k) == 20
+    assert len(gsm8k) == 256
     assert all(gsm8k.example(i).answer for i in range(len(gsm8k)))
     assert "<<" not in gsm8k.demonstration(gsm8k.example(0))
+    assert all(gsm8k.reward(gsm8k.demonstration(gsm8k.example(i)), gsm8k.example(i)) == 1.0 for i in range(256))
+    # The default hold-out leaves both splits non-empty: the dataset task runs on what ships.
+    assert len(DatasetPrompts(gsm8k, split="eval")) == 21 and len(DatasetPrompts(gsm8k, split="train")) == 235
+    check_splits(gsm8k)
+
+
+def test_fixture_is_what_its_script_generates(tmp_path):
+    out = tmp_path / "fixture.jsonl"
+    subprocess.run([sys.executable, "scripts/make_gsm8k_fixture.py", "--out", str(out)], cwd=ROOT, check=True)
+    assert out.read_bytes() == FIXTURE_PATH.read_bytes()
 
 
 @pytest.mark.parametrize(
@@ -464,18 +482,90 @@ def test_dataset_custom_file(tmp_path):
         DatasetTask(path=str(tmp_path / "missing.jsonl"))
 
 
-def test_dataset_parquet_goes_through_pyarrow(tmp_path, monkeypatch):
-    rows = [{"question": "One plus one?", "answer": "#### 2"}]
-    parquet = types.ModuleType("pyarrow.parquet")
-    parquet.read_table = lambda path: types.SimpleNamespace(to_pylist=lambda: rows)
-    pyarrow = types.ModuleType("pyarrow")
-    pyarrow.parquet = parquet
-    monkeypatch.setitem(sys.modules, "pyarrow", pyarrow)
-    monkeypatch.setitem(sys.modules, "pyarrow.parquet", parquet)
-    path = tmp_path / "qa.parquet"
-    path.write_bytes(b"")
-    task = DatasetTask(path=str(path))
-    assert task.example(0).answer == "2"
+RECORDS = [
+    {"q": "What is two plus two?", "a": "#### 4", "id": 0},
+    {"q": "Half of 9?", "a": "It is 9/2.\n#### 4.5", "id": 1},
+    {"q": "Three times five?", "a": "#### 15", "id": 2},
+]
+
+
+def write_records(path: Path, records: list[dict]) -> Path:
+    """`records` as a .jsonl, .json or .parquet file, by `path`'s suffix."""
+    if path.suffix == ".parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        pq.write_table(pa.Table.from_pylist(records), path)
+    elif path.suffix == ".json":
+        path.write_text(json.dumps(records))
+    else:
+        path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+@pytest.mark.parametrize("suffix", [".jsonl", ".json", ".parquet"])
+def test_dataset_reads_jsonl_json_and_parquet_alike(tmp_path, suffix):
+    path = write_records(tmp_path / f"qa{suffix}", RECORDS)
+    task = make_task("gsm8k", path=str(path), question_key="q", answer_key="a", prompt_template="Q: {question}\nA:")
+    assert [task.example(i).prompt for i in range(len(task))] == [f"Q: {r['q']}\nA:" for r in RECORDS]
+    assert [task.example(i).answer for i in range(len(task))] == ["4", "4.5", "15"]
+    assert all(task.reward(task.demonstration(task.example(i)), task.example(i)) == 1.0 for i in range(3))
+
+
+def test_dataset_separate_eval_file_is_the_eval_split(tmp_path):
+    train = write_records(tmp_path / "train.parquet", RECORDS[:2])
+    evaluation = write_records(tmp_path / "test.json", RECORDS[2:])
+    task = make_task("gsm8k", path=str(train), eval_path=str(evaluation), question_key="q", answer_key="a")
+    assert len(task) == 3 and task.split_indices("train") == [0, 1] and task.split_indices("eval") == [2]
+    assert task.split_indices("eval", holdout=0.9) == [2]  # the files decide, not the hold-out
+    assert {e.meta["index"] for e in DatasetPrompts(task, split="train").next_batch(6)} == {0, 1}
+    assert [e.prompt for e in prompt_iterator(task, split="eval").next_batch(2)] == ["Three times five?\n"] * 2
+    assert len(DatasetPrompts(task, split="all")) == 3
+    check_splits(task)
+    assert task.max_prompt_tokens(list) == max(len(r["q"]) + 1 for r in RECORDS)  # both files
+
+
+@pytest.mark.parametrize(
+    "kwargs, words",
+    [
+        ({"path": "/no/such/qa.jsonl"}, "DatasetTask.path='/no/such/qa.jsonl' is not allowed; an existing .jsonl"),
+        ({"eval_path": "/no/such/test.parquet"}, "DatasetTask.eval_path='/no/such/test.parquet'"),
+        ({"path": "{dir}/qa.csv"}, "DatasetTask.path='{dir}/qa.csv' is not allowed; an existing .jsonl, .json"),
+        ({"path": "{dir}/empty.jsonl"}, "a file with at least one record"),
+        ({"path": "{dir}/broken.json"}, "not JSON"),
+        ({"path": "{dir}/broken.parquet"}, "not a readable Parquet file"),
+        ({"path": "{dir}/qa.jsonl", "question_key": "question"}, "no string field 'question' (it has ['a', 'id', "),
+        ({"prompt_template": "{{q}}"}, "DatasetTask.prompt_template='{q}' is not allowed; it must contain"),
+        ({"prompt_template": "{{question}} {{x}}"}, "its only field must be '{question}'"),
+        ({"holdout": 0.0}, "holdout"),
+    ],
+)
+def test_dataset_refuses_bad_files_and_fields_in_one_line(tmp_path, kwargs, words):
+    for name in ("qa.jsonl", "qa.csv"):
+        write_records(tmp_path / name, RECORDS)
+    (tmp_path / "empty.jsonl").write_text("\n")
+    (tmp_path / "broken.json").write_text("[{")
+    (tmp_path / "broken.parquet").write_bytes(b"not parquet")
+    kwargs = {k: v.format(dir=tmp_path) if isinstance(v, str) else v for k, v in kwargs.items()}
+    with pytest.raises(ValueError) as e:
+        make_task("gsm8k", **kwargs)
+    assert words.replace("{dir}", str(tmp_path)) in str(e.value) and "\n" not in str(e.value)
+
+
+def test_empty_splits_are_refused_naming_the_split(tmp_path):
+    small = write_records(tmp_path / "qa.jsonl", RECORDS)
+    task = make_task("gsm8k", path=str(small), question_key="q", answer_key="a")
+    assert not any(in_holdout(task.example(i).prompt) for i in range(3))  # 3 records: none held out
+    with pytest.raises(ValueError, match=r"split 'eval' of 'gsm8k' is empty: none of its 3 records"):
+        check_splits(task)
+    # A generated task: 100 distinct prompts, a hold-out below (or above) every prompt's hash.
+    prompts = {f"What is {a}+{b}?\n" for a in range(10) for b in range(10)}
+    hashes = sorted(int.from_bytes(hashlib.blake2b(p.encode(), digest_size=8).digest(), "big") / 2**64 for p in prompts)
+    check_splits(make_task("arithmetic", digits=1, operands=2, ops="+"))
+    with pytest.raises(ValueError, match=r"split 'eval' of 'arithmetic' is empty: none of \d+ prompts drawn"):
+        check_splits(make_task("arithmetic", digits=1, operands=2, ops="+", holdout=hashes[0] / 2))
+    with pytest.raises(ValueError, match=r"split 'train' of 'arithmetic' is empty"):
+        check_splits(make_task("arithmetic", digits=1, operands=2, ops="+", holdout=(hashes[-1] + 1) / 2))
 
 
 # --- prompt iterators --------------------------------------------------------------------------
@@ -484,7 +574,7 @@ def test_dataset_parquet_goes_through_pyarrow(tmp_path, monkeypatch):
 @pytest.mark.parametrize("name", sorted(TASKS))
 def test_iterator_determinism_and_resume(name):
     task = make_task(name)
-    k, m = 13, 29  # crosses an epoch boundary of the 20-record fixture
+    k, m = 13, 29 + len(getattr(task, "records", ()))  # crosses an epoch boundary of the fixture
     reference = prompt_iterator(task, seed=5).next_batch(k + m)
     assert prompt_iterator(task, seed=5).next_batch(k + m) == reference
     assert [e.prompt for e in prompt_iterator(task, seed=6).next_batch(k + m)] != [e.prompt for e in reference]
@@ -571,3 +661,86 @@ def test_tasks_are_frozen_and_configurable():
     with pytest.raises(dataclasses.FrozenInstanceError):
         task.digits = 5
     assert make_task("countdown", count=4).count == 4
+
+
+# --- every task's fields are config keys -------------------------------------------------------
+
+
+@pytest.mark.parametrize("size", ["tiny", "default", "qwen3_30b_a3b"])
+def test_every_task_has_a_config_section_of_exactly_its_fields(size):
+    c = config_lib.base_config("gspo", size)
+    assert set(c.task) == {"name", *TASKS}
+    sums = {"digits": 1, "operands": 3, "ops": "+"}  # base_config's arithmetic at these sizes
+    set_by_size = {"default": sums, "tiny": sums}
+    for name, cls in TASKS.items():
+        fields = [f for f in dataclasses.fields(cls) if f.init]
+        assert list(c.task[name]) == sorted(f.name for f in fields)  # ConfigDict keeps its keys sorted
+        defaults = {f.name: f.default for f in fields}
+        expected = {**defaults, **set_by_size.get(size, {})} if name == c.task.name == "arithmetic" else defaults
+        assert c.task[name].to_dict() == expected == {**task_fields(name), **expected}
+
+
+@pytest.mark.parametrize("name", sorted(TASKS))
+def test_naming_a_task_builds_it_from_its_section(name):
+    c = config_lib.base_config("gspo", "tiny")
+    c.task.name = name
+    c.prompt_len = 160  # the longest task's prompts (the GSM8K fixture's) fit
+    task = config_lib.build(c).task
+    assert task == TASKS[name](**c.task[name]) and task.name == name
+    assert config_lib.task_settings(c) == {"name": name, **c.task[name]}
+    for field, value in {"arithmetic": ("operands", 4), "countdown": ("count", 4), "gsm8k": ("holdout", 0.25)}.items():
+        if field == name:
+            c.task[name][value[0]] = value[1]
+            assert getattr(config_lib.build(c).task, value[0]) == value[1]
+
+
+@pytest.mark.parametrize(
+    "mutate, words",
+    [
+        (lambda c: c.task.arithmetic.update(foo=1), "config.task.arithmetic: task 'arithmetic' has no field foo; its"),
+        (lambda c: c.task.countdown.update(colour=1), "config.task.countdown: task 'countdown' has no field colour"),
+        (lambda c: c.task.update(digits=2), "config.task: unknown key(s) ['digits']; it holds `name` and one section"),
+        (lambda c: c.task.update(name="sudoku"), "config.task.name='sudoku' is not allowed; choose one of"),
+        (lambda c: c.task.arithmetic.update(ops="/"), "config.task.arithmetic: ArithmeticTask.ops='/' is not allowed"),
+        (lambda c: c.update(prompt_len=8), "config.prompt_len=8 is not allowed; the prompt bucket must hold the"),
+    ],
+)
+def test_a_wrong_task_setting_is_refused_at_build_naming_the_task(mutate, words):
+    c = config_lib.base_config("gspo", "tiny")
+    mutate(c)
+    with pytest.raises(config_lib.ConfigError) as e:
+        config_lib.build(c)
+    assert words in str(e.value) and "\n" not in str(e.value)
+
+
+def test_missing_key_names_what_the_section_holds():
+    c = config_lib.base_config("gspo", "tiny")
+    assert config_lib.missing_key(c, "task.gsm8k.path") is None
+    assert config_lib.missing_key(c, "task.arithmetic.foo") == (
+        "no such config key: task.arithmetic.foo; task 'arithmetic' has the fields: "
+        "format_reward, holdout, digits, operands, ops"
+    )
+    assert "e.g. config.task.arithmetic.digits" in config_lib.missing_key(c, "task.digits")
+    assert "config.seed is a value" in config_lib.missing_key(c, "seed.x")
+
+
+def test_the_flagship_size_starts_on_the_shipped_data():
+    """configs/grpo.py:qwen3_30b_a3b shrunk as a new user would try it on a CPU: it builds, and both of
+    its task's splits give a rollout's worth of prompts (the fixture used to leave "eval" empty)."""
+    c = config_lib.base_config("grpo", "qwen3_30b_a3b")
+    c.model.num_layers = 2
+    c.mesh.update(fsdp=1, expert=1)
+    built = config_lib.build(c, device_count=1)
+    assert built.task.name == "gsm8k" and built.task.path == ""  # the shipped fixture
+    for split in ("train", "eval"):
+        assert len(prompt_iterator(built.task, seed=0, split=split).next_batch(c.rollout.num_groups)) == 64
+
+
+def test_a_run_recorded_with_the_flat_task_layout_stays_readable(tmp_path):
+    from gspo_jax import snapshots
+
+    old = config_lib.base_config("gspo", "tiny").to_dict()
+    old["task"] = {"name": "arithmetic", "digits": 2, "operands": 3, "ops": "+"}  # before task sections
+    (tmp_path / "config.json").write_text(json.dumps(old, default=list))
+    task = snapshots.open_run(tmp_path).config.task
+    assert task.name == "arithmetic" and (task.arithmetic.digits, task.arithmetic.operands) == (2, 3)

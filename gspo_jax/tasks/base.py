@@ -1,7 +1,8 @@
 """The common task interface: an `Example` and the `Task` protocol, plus the shared reward rule.
 
 A task samples examples from a numpy Generator, reads an answer out of a completion, scores it, and
-writes a correct completion (a demonstration) for a supervised warm start.
+writes a correct completion (a demonstration) for a supervised warm start. Every task's fields are
+its settings: `config.task.<name>` holds exactly them (`gspo_jax.config.task_config`).
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from typing import Any, Protocol, runtime_checkable
 import numpy as np
 
 from gspo_jax.validation import check, check_number
+
+DEFAULT_HOLDOUT = 1 / 16  # the share of prompts held out for evaluation (`prompts.in_holdout`)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,15 +48,21 @@ class Task(Protocol):
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class VerifiableTask(abc.ABC):
     """Shared reward rule: 1.0 if correct; `format_reward` if an answer was given in the right format
-    (extract_answer is not None) but is wrong; 0.0 if no well-formed answer. Rewards lie in [0, 1]."""
+    (extract_answer is not None) but is wrong; 0.0 if no well-formed answer. Rewards lie in [0, 1].
+    `holdout`: the share of prompts held out as the eval split (`prompts.in_holdout`)."""
 
     format_reward: float = 0.0
+    holdout: float = DEFAULT_HOLDOUT
 
     def __post_init__(self) -> None:
+        own = type(self).__name__
         fr = self.format_reward
-        check_number(type(self).__name__, "format_reward", fr, low=0.0)
-        check(fr < 1.0, type(self).__name__, "format_reward", fr, "a number in [0, 1)")
+        check_number(own, "format_reward", fr, low=0.0)
+        check(fr < 1.0, own, "format_reward", fr, "a number in [0, 1)")
         object.__setattr__(self, "format_reward", float(fr))
+        check_number(own, "holdout", self.holdout, low=0.0, strict=True)
+        check(self.holdout < 1.0, own, "holdout", self.holdout, "a number in (0, 1)")
+        object.__setattr__(self, "holdout", float(self.holdout))
 
     @abc.abstractmethod
     def sample(self, rng: np.random.Generator) -> Example:

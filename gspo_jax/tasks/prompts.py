@@ -7,24 +7,26 @@
 Both: `next(it)`, `next_batch(n)`, `state()` (a dict of plain ints), `restore(state)` and
 `from_state(task, state, ...)`; a restored iterator yields exactly what the uninterrupted one would.
 
-Split: a prompt is held out iff a stable hash of its text falls below `holdout` (default 1/16), so
-"train" and "eval" never share a prompt, whatever the seeds. "all" uses every prompt.
+Split: a prompt is held out iff a stable hash of its text falls below `holdout` (the task's own,
+default 1/16), so "train" and "eval" never share a prompt, whatever the seeds; a dataset task with a
+separate eval file splits by file instead (`DatasetTask.split_indices`). "all" uses every prompt.
+`check_splits` refuses a task whose train or eval split would be empty (`config.build` calls it).
 """
 
 from __future__ import annotations
 
 import abc
 import hashlib
+import math
 import numbers
 from collections.abc import Iterator
 
 import numpy as np
 
-from gspo_jax.tasks.base import Example, Task
+from gspo_jax.tasks.base import DEFAULT_HOLDOUT, Example, Task
 from gspo_jax.validation import check, check_choice
 
 SPLITS = ("train", "eval", "all")
-DEFAULT_HOLDOUT = 1 / 16
 _MAX_DRAWS = 100_000  # per example, while looking for a prompt of the requested split
 
 
@@ -34,9 +36,42 @@ def in_holdout(prompt: str, holdout: float = DEFAULT_HOLDOUT) -> bool:
     return int.from_bytes(digest, "big") / 2**64 < holdout
 
 
+def _holdout(task: Task, holdout: float | None) -> float:
+    """`holdout`, or the task's own (`VerifiableTask.holdout`) where None."""
+    return getattr(task, "holdout", DEFAULT_HOLDOUT) if holdout is None else holdout
+
+
 def _check_split(split: str, holdout: float) -> None:
     check_choice("prompt_iterator", "split", split, SPLITS)
     check(0.0 < holdout < 1.0, "prompt_iterator", "holdout", holdout, "a number in (0, 1)")
+
+
+def check_splits(task: Task, holdout: float | None = None) -> None:
+    """Raises ValueError (one line) if `task`'s train or eval split would be empty: a dataset task's
+    splits are counted; a generated task's must both appear among prompts drawn with a fixed seed
+    (enough draws that a split holding a `holdout` share of prompts is missed with odds below e^-40)."""
+    holdout = _holdout(task, holdout)
+    if _is_dataset(task):
+        for split in ("train", "eval"):
+            DatasetPrompts(task, split=split, holdout=holdout)  # raises naming the empty split
+        return
+    _check_split("train", holdout)
+    rng = np.random.default_rng(0)
+    draws = min(_MAX_DRAWS, max(1000, math.ceil(40 / min(holdout, 1 - holdout))))
+    seen = set()
+    for _ in range(draws):
+        seen.add(in_holdout(task.sample(rng).prompt, holdout))
+        if len(seen) == 2:
+            return
+    split = "eval" if False in seen else "train"  # the one never drawn
+    raise ValueError(
+        f"split {split!r} of {task.name!r} is empty: none of {draws} prompts drawn falls in it "
+        f"(holdout={holdout}); change holdout or widen the task"
+    )
+
+
+def _is_dataset(task: Task) -> bool:
+    return hasattr(task, "example") and hasattr(task, "__len__")
 
 
 def _in_split(prompt: str, split: str, holdout: float) -> bool:
@@ -79,7 +114,8 @@ class _PromptIterator(Iterator[Example]):
 class TaskPrompts(_PromptIterator):
     """An infinite, seeded stream of examples from a generated task (see the module docstring)."""
 
-    def __init__(self, task: Task, seed: int = 0, split: str = "train", holdout: float = DEFAULT_HOLDOUT):
+    def __init__(self, task: Task, seed: int = 0, split: str = "train", holdout: float | None = None):
+        holdout = _holdout(task, holdout)
         _check_split(split, holdout)
         self.task, self.split, self.holdout = task, split, holdout
         self.restore({"seed": seed, "index": 0})
@@ -109,16 +145,22 @@ class TaskPrompts(_PromptIterator):
 class DatasetPrompts(_PromptIterator):
     """Epochs over a dataset task (`len(task)`, `task.example(i)`), reshuffled each epoch."""
 
-    def __init__(self, task: Task, seed: int = 0, split: str = "train", holdout: float = DEFAULT_HOLDOUT):
+    def __init__(self, task: Task, seed: int = 0, split: str = "train", holdout: float | None = None):
+        holdout = _holdout(task, holdout)
         _check_split(split, holdout)
-        if not (hasattr(task, "example") and hasattr(task, "__len__")):
+        if not _is_dataset(task):
             raise TypeError(f"{type(task).__name__} is not a dataset task (needs __len__ and example)")
         self.task, self.split, self.holdout = task, split, holdout
-        self.indices = np.array(
-            [i for i in range(len(task)) if _in_split(task.example(i).prompt, split, holdout)], dtype=np.int64
-        )
+        if hasattr(task, "split_indices"):  # the task knows its split (e.g. a separate eval file)
+            indices = task.split_indices(split, holdout)
+        else:
+            indices = [i for i in range(len(task)) if _in_split(task.example(i).prompt, split, holdout)]
+        self.indices = np.array(indices, dtype=np.int64)
         if len(self.indices) == 0:
-            raise ValueError(f"split {split!r} of {task.name!r} is empty (holdout={holdout})")
+            raise ValueError(
+                f"split {split!r} of {task.name!r} is empty: none of its {len(task)} records falls in it "
+                f"(holdout={holdout}); change holdout, add records, or give a separate eval file"
+            )
         self.restore({"seed": seed, "epoch": 0, "position": 0})
 
     def __len__(self) -> int:
@@ -150,9 +192,10 @@ class DatasetPrompts(_PromptIterator):
 
 
 def prompt_iterator(
-    task: Task, seed: int = 0, split: str = "train", holdout: float = DEFAULT_HOLDOUT
+    task: Task, seed: int = 0, split: str = "train", holdout: float | None = None
 ) -> TaskPrompts | DatasetPrompts:
-    """`DatasetPrompts` for a dataset task, `TaskPrompts` for a generated one."""
-    if hasattr(task, "example") and hasattr(task, "__len__"):
+    """`DatasetPrompts` for a dataset task, `TaskPrompts` for a generated one; `holdout` None: the
+    task's own."""
+    if _is_dataset(task):
         return DatasetPrompts(task, seed, split, holdout)
     return TaskPrompts(task, seed, split, holdout)
