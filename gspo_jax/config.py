@@ -114,8 +114,8 @@ def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigD
         c.model = _dataclass_dict(model_lib.get_config(size))
     c.model.dense_layers = tuple(c.model.dense_layers)
 
-    # Sums of three one-digit numbers: the warm start solves ~17% of held-out prompts, which leaves
-    # RL both headroom and informative groups (see the README's results).
+    # Sums of three one-digit numbers: the default size's warm start solves 35-50% of held-out prompts
+    # (seed 0: 34.7%, seed 1: 49.7%), which leaves RL both headroom and informative groups.
     c.task = task_config("arithmetic", digits=1, operands=3, ops="+")
     c.prompt_len = 24  # the prompt bucket (BOS + prompt), tokens
     c.max_new_tokens = 12
@@ -158,6 +158,11 @@ def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigD
         # Drift (two forwards of the batch) on every 4th sequence keeps the instruments well under 15% of
         # an iteration (README, Benchmarks); training is unaffected.
         c.train.drift_subsample = 4
+        # 32 prompts × 8 per iteration at lr 3e-4: against 8 prompts at 1e-4 (the earlier default) held-out
+        # accuracy gains ~+23 instead of ~+7 points in 150 iterations (configs/sweeps/main_job.py checks
+        # it over algorithms and seeds); lr 1e-3 first lost half the warm start's accuracy.
+        c.rollout.num_groups = 32
+        c.train.update(learning_rate=3e-4, eval_every=15)
     if size == "tiny":
         c.prompt_len, c.max_new_tokens = 24, 8
         c.rollout.update(num_groups=2, group_size=4)

@@ -20,6 +20,7 @@ import numpy as np
 import optax
 
 from gspo_jax import compiles
+from gspo_jax import config as config_lib
 from gspo_jax import model as model_lib
 from gspo_jax import optimizer as optimizer_lib
 from gspo_jax import sharding as sharding_lib
@@ -49,7 +50,7 @@ def cache_key(config: ml_collections.ConfigDict) -> str:
     blob = json.dumps(
         dict(
             model=c.model.to_dict(),
-            task=c.task.to_dict(),
+            task=config_lib.task_settings(c),
             ws=ws,
             seed=c.seed,
             P=c.prompt_len,
