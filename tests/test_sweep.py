@@ -307,3 +307,28 @@ def test_the_tiny_sweep_killed_and_restarted_finishes_every_run_once_then_report
     figures = sorted(p.name for p in (root / "report").glob("*.png"))
     assert {"accuracy.png", "clip_fraction.png", "drift_per_layer.png"} <= set(figures)
     assert all(f"(report/{f})" in report for f in figures)
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in (ROOT / "configs" / "sweeps").glob("*.py")))
+def test_every_shipped_sweep_loads_and_each_arm_builds(name):
+    """A renamed config key or a bad value in a shipped sweep fails here, not an hour into the sweep."""
+    from gspo_jax import config as config_lib
+
+    sweep = sweeps.load_sweep(ROOT / "configs" / "sweeps" / f"{name}.py", ROOT)
+    arms = {}
+    for run in sweep.runs:
+        arms.setdefault(run.arm, run)
+    for run in arms.values():
+        path, _, arg = run.config.partition(":")
+        spec = importlib.util.spec_from_file_location(f"sweep_config_{name}", ROOT / path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+        c = module.get_config(arg) if arg else module.get_config()
+        for key, value in run.overrides.items():
+            *parents, last = key.split(".")
+            node = c
+            for part in parents:
+                node = node[part]
+            assert last in node, f"{name}: {run.name}: no such config key {key}"
+            node[last] = value
+        config_lib.build(c, device_count=1)
