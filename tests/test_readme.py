@@ -3,7 +3,8 @@ command in a code block of README.md or docs/*.md names a script and config file
 `--config.a.b=value` is a key of the config that command builds (`get_config(arg)` of its config file,
 as scripts/train.py's `--config file.py:arg` does); every relative link and image in them points at a
 file of this repository (and a heading that exists, for `#anchors` into Markdown); the README's layout
-table names every module of gspo_jax/. Nothing is run or compiled: the configs are only built.
+table names every module of gspo_jax/, and its main job is described with its config's values.
+Nothing is run or compiled: the configs are only built.
 
 A command whose config path holds a shell variable (`configs/$a.py` in a for loop) has that path
 skipped; its overrides are then checked against no config and are not checked.
@@ -154,6 +155,26 @@ def test_relative_links_point_at_files(md):
     assert not (bad := link_problems(md)), "\n".join(bad)
 
 
+def sci(x: float) -> str:
+    """A number as the README writes a learning rate: 3e-4."""
+    mantissa, exponent = f"{x:e}".split("e")
+    return f"{mantissa.rstrip('0').rstrip('.')}e{int(exponent)}"
+
+
+def test_main_job_description_matches_its_config():
+    """The README's account of the main job (iterations, batch, learning rate, evaluation, warm start)
+    is that of `configs/gspo.py`'s default size, whatever the default becomes."""
+    c = build_config("configs/gspo.py", None)
+    text = " ".join(README.read_text(encoding="utf-8").split("\n## The main job", 1)[1].split("\n## ", 1)[0].split())
+    expected = [
+        f"{c.warm_start.steps} supervised steps",
+        f"{c.train.num_iterations} {c.algorithm.upper()} iterations of {c.rollout.num_groups} prompts × "
+        f"{c.rollout.group_size} samples at learning rate {sci(c.train.learning_rate)}",
+        f"held-out accuracy every {c.train.eval_every} iterations",
+    ]
+    assert not (stale := [e for e in expected if e not in text]), f"README's main job should say: {stale}"
+
+
 def test_layout_names_every_module():
     text = README.read_text(encoding="utf-8")
     layout = text.split("\n## Layout", 1)[1].split("\n## ", 1)[0]
@@ -191,5 +212,6 @@ def test_the_checker_catches_what_it_should():
         "README.md: docs/USAGE.md#no-such-heading: no heading #no-such-heading in USAGE.md",
         "README.md: ../outside.png points outside the repository",
     ]
+    assert sci(3e-4) == "3e-4" and sci(1.5e-6) == "1.5e-6"
     assert slug("Scale: will it fit on the pod?") == "scale-will-it-fit-on-the-pod"
     assert slug("Sampler–trainer mismatch and its corrections") == "samplertrainer-mismatch-and-its-corrections"
