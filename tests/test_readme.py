@@ -137,7 +137,7 @@ def test_readme_is_short():
 
 def test_readme_has_the_main_commands():
     text = README.read_text(encoding="utf-8")
-    for line in ('pip install -e ".[dev]"', "python scripts/train.py --config configs/gspo.py --workdir", "pytest"):
+    for line in ('pip install -e ".[dev,tpu]"', "python scripts/train.py --config configs/gspo.py --workdir", "pytest"):
         assert any(line in block for block in code_blocks(text)), f"README.md lost {line!r}"
 
 
