@@ -19,8 +19,8 @@ back (`jax.profiler.ProfileData`) and matches each op to the compiled HLO (`Comp
   memory (optimizer updates, non-finite checks, copies and stacks of per-layer buffers);
 - the slowest ops with their shapes and JAX source op names.
 
-Shapes: `tiny` (the CI smoke test), `default`, `bench` (`benchmarks.run.bench_config`) and
-`iteration` (`benchmarks.run.iteration_config`). Timing is wall clock on a shared machine: compare
+Shapes: `tiny` (the CI smoke test), `default`, `bench` (`benchmarks.run.shapes.shape_config`) and
+`iteration` (`benchmarks.run.shapes.iteration_config`). Timing is wall clock on a shared machine: compare
 runs made back to back, as everywhere in `benchmarks/`.
 """
 
@@ -39,30 +39,31 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.run import _pieces, bench_config, iteration_config, random_batch, refuse_unoptimised
-from gspo_jax import compiles, train
+from benchmarks.run.machine import refuse_unoptimised
+from benchmarks.run.shapes import SHAPES, iteration_config, pieces, random_batch, shape_config
+from gspo_jax import compiles
+from gspo_jax import programs as programs_lib
+from gspo_jax import sharding as sharding_lib
 from gspo_jax.host_memory import reexec_with_huge_pages
 from gspo_jax.sampler import Sampler, left_pad
 from gspo_jax.sharding import mesh_from_config
 
 PROGRAMS = ("train_step", "sampler")
-SHAPES = ("tiny", "default", "bench", "iteration")
 BOOKKEEPING = ("ThunkExecutor::", "SlinkyThreadPool::", "end: ")  # executor waits, not ops
 
 
 def _config(shape: str):
-    return iteration_config("full") if shape == "iteration" else bench_config(shape)
+    return iteration_config(shape) if shape == "iteration" else shape_config(shape)
 
 
 def train_step_program(shape: str):
     """(call, compiled HLO text) for one train step of `shape` on a random, well-formed minibatch."""
     c = _config(shape)
-    built, _, params, programs = _pieces(c)
-    B = built.rollout.num_groups * built.rollout.group_size // c.train.minibatches
+    built, _, params, programs = pieces(c)
+    B = built.batch_size // built.train.minibatches
     batch = jax.device_put(random_batch(programs, params, B, c.prompt_len, c.max_new_tokens), programs.batch_shardings)
-    state = [train.init_train_state(programs, params, 0)]
-    step = programs.train_step
-    compiled = step.func.lower(*step.args, state[0], batch).compile()
+    state = [programs_lib.init_train_state(programs, params, 0)]
+    compiled = programs.train_step.lower(state[0], batch).compile()
 
     def call():
         state[0], metrics, _ = compiled(state[0], batch)  # the same minibatch every call, as benchmarks.run times it
@@ -74,7 +75,7 @@ def train_step_program(shape: str):
 def sampler_program(shape: str):
     """(call, compiled HLO text) for one rollout batch of `shape`: prefill and the decode loop."""
     c = _config(shape)
-    built, graphdef, params, _ = _pieces(c)
+    built, graphdef, params, _ = pieces(c)
     B = built.rollout.num_groups * built.rollout.group_size
     P, C = c.prompt_len, c.max_new_tokens
     options = compiles.step_options(c.cpu_fast_compile)  # as the trainer compiles it
@@ -89,7 +90,7 @@ def sampler_program(shape: str):
     def call():
         return sampler(params, prompts, mask, key, temperature=t, top_k=k, top_p=p).tokens
 
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
+    abstract = sharding_lib.abstract(params)
     return call, sampler.lower(abstract).compile().as_text()
 
 

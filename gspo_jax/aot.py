@@ -7,7 +7,6 @@ the config's mesh, with no TPU attached, and reads XLA's per-chip memory analysi
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
 import os
 import re
@@ -17,10 +16,12 @@ import jax
 import jax.numpy as jnp
 
 from gspo_jax import config as config_lib
-from gspo_jax import flops, train
+from gspo_jax import flops
 from gspo_jax import model as model_lib
+from gspo_jax import programs as programs_lib
 from gspo_jax import sharding as sharding_lib
 from gspo_jax.sampler import Sampler
+from gspo_jax.train import TrainBatch
 from gspo_jax.validation import ConfigError
 
 GIB = 2**30
@@ -147,37 +148,31 @@ def compile_report(config, topology: str, programs: tuple[str, ...] = PROGRAMS) 
     built = config_lib.build(config, device_count=len(devices))
     hbm, peak = CHIPS[topology.split(":", 1)[0]]
     chips = (peak, len(devices))
-    mesh = sharding_lib.mesh_from_config(**config.mesh, devices=devices)
+    mesh = sharding_lib.mesh_from_config(**built.mesh.axes(), devices=devices)
     mesh_s = "×".join(f"{k}={v}" for k, v in mesh.shape.items() if v != 1) or "1"
     cfg = built.model
     graphdef, abstract = model_lib.abstract_model(cfg)
     param_sh = sharding_lib.param_shardings(mesh, abstract)
-    params = jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract, param_sh)
-    progs = train.compile_programs(config, built, graphdef, params, mesh)
-    B = built.rollout.num_groups * built.rollout.group_size
-    P, C = config.prompt_len, config.max_new_tokens
+    params = sharding_lib.abstract(abstract, param_sh)
+    progs = programs_lib.compile_programs(built, graphdef, params, mesh)
+    B, P, C = built.batch_size, built.sampler.prompt_len, built.sampler.max_new_tokens
     T = P + C
     rows = []
     if "train_step" in programs:
-        mb = B // config.train.minibatches
-        state = train.abstract_train_state(progs, params)
-        batch = jax.tree.map(
-            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s),
-            train.abstract_batch(built, mb, T),
-            progs.batch_shardings,
-        )
-        step = progs.train_step
-        lower = functools.partial(step.func.lower, *step.args)
+        mb = B // built.train.minibatches
+        state = programs_lib.abstract_train_state(progs, params)
+        batch = sharding_lib.abstract(TrainBatch.abstract(built, mb, T), progs.batch_shardings)
         work = flops.train_flops(cfg, mb, T)
         if built.critic:  # PPO: the step updates the critic too
             work += flops.critic_train_flops(built.critic.model, mb, T)
-        rows.append(_row("train_step", mesh_s, f"{mb} × {T}", lower, (state, batch), hbm, work, *chips))
+        rows.append(
+            _row("train_step", mesh_s, f"{mb} × {T}", progs.train_step.lower, (state, batch), hbm, work, *chips)
+        )
     if "score" in programs:
         b2 = progs.batch_shardings.tokens
         tokens = jax.ShapeDtypeStruct((B, T), jnp.int32, sharding=b2)
-        lower = functools.partial(progs.score.func.lower, *progs.score.args)
         work = flops.forward_flops(cfg, B, T)
-        rows.append(_row("score", mesh_s, f"{B} × {T}", lower, (params, tokens, tokens), hbm, work, *chips))
+        rows.append(_row("score", mesh_s, f"{B} × {T}", progs.score.lower, (params, tokens, tokens), hbm, work, *chips))
     if "sample" in programs:
         sampler = Sampler(graphdef, cfg, B, P, C, mesh=mesh, state=params)
         shape, work = f"{B} × {P}+{C}", flops.sample_flops(cfg, B, P, C)

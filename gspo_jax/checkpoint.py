@@ -42,6 +42,8 @@ import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
 
+from gspo_jax.validation import ConfigError
+
 log = logging.getLogger(__name__)
 
 STATE_ITEM = "state"
@@ -347,3 +349,26 @@ def _file_digests(step_dir) -> dict[str, str]:
                     digest.update(block)
             out[str(path.relative_to(os.fspath(step_dir)))] = digest.hexdigest()
     return out
+
+
+class CheckpointMismatch(ConfigError):
+    """The workdir has checkpoints but none restores into this run's state: training would never save."""
+
+
+def resume(ckpt: Checkpointer, abstract: Any, prompts) -> tuple[int, Any] | None:
+    """(first iteration to run, restored state) from the newest good checkpoint of a run (its meta
+    holds `iteration` and `prompts`, the prompt iterator's position), or None when the directory has
+    none; restores `prompts` in place. Raises `CheckpointMismatch` when checkpoints exist but none
+    restores: the run would never save."""
+    restored = ckpt.restore_latest(abstract)
+    if restored is None:
+        if ckpt.all_steps():
+            raise CheckpointMismatch(
+                f"no checkpoint in {ckpt.directory} (steps {ckpt.all_steps()}) restores into this run's state: "
+                "they hold another model, or are all corrupt; use a new workdir"
+            )
+        return None
+    _, state, meta = restored
+    prompts.restore(meta["prompts"])
+    log.info("resumed from iteration %d", int(meta["iteration"]))
+    return int(meta["iteration"]) + 1, state

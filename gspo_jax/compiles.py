@@ -2,8 +2,9 @@
 tests assert, that every jitted function compiles once. (`jitted._cache_size()` is not reliable for
 this: it reads a global LRU shared with every other jitted function and eager op.) And keeps compiled
 programs across processes (`use_persistent_cache`), so reruns and sweeps do not pay compilation again;
-chooses XLA:CPU's fast-compile code generation (`step_options`, `run_once_options`); and compiles a
-program ahead, on a background thread (`Background`)."""
+chooses XLA:CPU's fast-compile code generation (`step_options`, `run_once_options`); and binds a jitted
+function's static arguments into a `Program`, which can be lowered (AOT, profiling) or compiled ahead
+on a background thread."""
 
 import concurrent.futures
 import functools
@@ -108,18 +109,32 @@ def step_options(fast: bool) -> dict | None:
 _BACKGROUND = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gspo_jax_compile")
 
 
-class Background:
-    """`fn` (a `functools.partial` of a jitted function over its static arguments) lowered and compiled
-    for `abstract` arguments (ShapeDtypeStructs with shardings) on a background thread, so a run's
-    first iteration does not wait for programs that are needed later (XLA releases the GIL while it
-    compiles). Called like `fn`: the first call waits for the compile, and every call runs that one
-    executable (arguments of another shape or sharding raise TypeError, never recompile)."""
+class Program:
+    """A jitted function with its static arguments bound: called like the function on the rest, and
+    lowered for abstract ones (`lower`: AOT, profiling) without unpacking anything. `in_background`
+    gives a copy compiled ahead, on a background thread."""
 
-    def __init__(self, fn: functools.partial, *abstract):
-        self._future = _BACKGROUND.submit(lambda: fn.func.lower(*fn.args, *abstract, **fn.keywords).compile())
+    def __init__(self, jitted, *static):
+        self.jitted, self.static = jitted, static
+        self._compiled: concurrent.futures.Future | None = None
 
     def __call__(self, *args):
-        return self._future.result()(*args)
+        if self._compiled is not None:
+            return self._compiled.result()(*args)
+        return self.jitted(*self.static, *args)
+
+    def lower(self, *abstract) -> jax.stages.Lowered:
+        """The program lowered for `abstract` arguments (ShapeDtypeStructs with shardings)."""
+        return self.jitted.lower(*self.static, *abstract)
+
+    def in_background(self, *abstract) -> "Program":
+        """This program compiled for `abstract` arguments on a background thread, so a run's first
+        iteration does not wait for programs that are needed later (XLA releases the GIL while it
+        compiles). Its first call waits for the compile, and every call runs that one executable
+        (arguments of another shape or sharding raise TypeError, never recompile)."""
+        ahead = Program(self.jitted, *self.static)
+        ahead._compiled = _BACKGROUND.submit(lambda: self.lower(*abstract).compile())
+        return ahead
 
 
 def use_persistent_cache(directory: str | Path) -> None:

@@ -201,25 +201,132 @@ def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigD
 
 
 @dataclasses.dataclass(frozen=True)
+class TrainConfig:
+    """`config.train` less its optimizer's keys: the RL loop's schedule and update split, where π_old's
+    log-probs and routing come from, the routing instruments, evaluation and checkpoints."""
+
+    num_iterations: int
+    epochs: int
+    minibatches: int
+    microbatches: int
+    microbatch_tokens: int  # 0: no bound (`update_microbatches`)
+    old_logp_source: str  # OLD_LOGP_SOURCES
+    routing_replay: str  # REPLAY
+    drift_metrics: bool
+    drift_subsample: int
+    routing_diagnostics: bool
+    eval_every: int
+    eval_batches: int
+    checkpoint_every: int
+    keep_checkpoints: int
+
+    def __post_init__(self):
+        keys = ("num_iterations", "epochs", "minibatches", "microbatches", "drift_subsample", "eval_every")
+        for key in (*keys, "checkpoint_every", "keep_checkpoints"):
+            check_int("config", f"train.{key}", getattr(self, key))
+        check_int("config", "train.microbatch_tokens", self.microbatch_tokens, low=0)
+        check_int("config", "train.eval_batches", self.eval_batches)
+        check_choice("config", "train.old_logp_source", self.old_logp_source, OLD_LOGP_SOURCES)
+        check_choice("config", "train.routing_replay", self.routing_replay, REPLAY)
+        for key in ("drift_metrics", "routing_diagnostics"):
+            check(isinstance(getattr(self, key), bool), "config", f"train.{key}", getattr(self, key), "True or False")
+
+    @property
+    def updates(self) -> int:
+        """Optimizer updates over the whole run (the schedule's length)."""
+        return self.num_iterations * self.epochs * self.minibatches
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmStartConfig:
+    """`config.warm_start`: supervised steps on demonstrations before RL (0: none), their optimizer."""
+
+    steps: int
+    batch_size: int
+    cache_dir: str  # "": the workdir
+    optimizer: OptimizerConfig
+
+    def __post_init__(self):
+        if self.cache_dir:  # created on first use: it, or its parent, must be a directory already
+            d = Path(self.cache_dir)
+            ok = d.is_dir() or (not d.exists() and d.parent.is_dir())
+            allowed = "a directory, or a new one in an existing directory"
+            check(ok, "config", "warm_start.cache_dir", self.cache_dir, allowed)
+        check_int("config", "warm_start.steps", self.steps, low=0)
+        check_int("config", "warm_start.batch_size", self.batch_size)
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    """`config.mesh`: each axis's size, -1 for the devices left (checked against them in `build`)."""
+
+    data: int
+    fsdp: int
+    expert: int
+    tensor: int
+
+    def axes(self) -> dict[str, int]:
+        """The sizes as `sharding.mesh_from_config`'s keyword arguments."""
+        return dataclasses.asdict(self)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerConfig:
+    """The sampler's lengths: the prompt bucket (BOS + prompt) and the completion, in tokens."""
+
+    prompt_len: int
+    max_new_tokens: int
+
+    def __post_init__(self):
+        for key in ("prompt_len", "max_new_tokens"):
+            check_int("config", key, getattr(self, key))
+
+    @property
+    def seq_len(self) -> int:
+        return self.prompt_len + self.max_new_tokens
+
+
+@dataclasses.dataclass(frozen=True)
 class Built:
     """The typed pieces of a config, all validated."""
 
+    algorithm: str
+    seed: int
     model: model_lib.ModelConfig
     loss: losses.LossConfig
     rollout: RolloutConfig
     task: Any
-    critic: CriticConfig | None = None  # PPO's value model, its architecture resolved
-    microbatches: int = 1  # per update: train.microbatches, raised by train.microbatch_tokens
+    sampler: SamplerConfig
+    train: TrainConfig
+    optimizer: OptimizerConfig  # the policy's: `config.train`'s optimizer keys
+    warm_start: WarmStartConfig
+    mesh: MeshConfig
+    critic: CriticConfig | None  # PPO's value model, its architecture resolved
+    critic_optimizer: OptimizerConfig | None  # `config.critic`'s optimizer keys
+    microbatches: int  # per update: train.microbatches, raised by train.microbatch_tokens
+    hf_checkpoint: str  # "": a random init from `seed`
+    tokenizer_path: str  # "": the built-in tokenizer
+    cpu_fast_compile: bool  # XLA:CPU's fast-compile code generation for the step programs
+
+    @property
+    def batch_size(self) -> int:
+        """Sequences per rollout: num_groups × group_size."""
+        return self.rollout.num_groups * self.rollout.group_size
 
 
 def _typed(name: str, cls, values: dict):
-    """`cls(**values)` with any error as one line prefixed by the config key."""
+    """`cls(**values)` with any error as one line prefixed by the config key (a `ConfigError` that
+    names its key already, `config.<name>.…`, as it is)."""
     fields = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - fields)
     if unknown:
         raise ConfigError(f"config.{name}: unknown field(s) {unknown}; allowed: {sorted(fields)}")
     try:
         return cls(**values)
+    except ConfigError as e:
+        if str(e).startswith(f"config.{name}."):
+            raise
+        raise ConfigError(f"config.{name}: {e}") from None
     except (ValueError, TypeError) as e:
         raise ConfigError(f"config.{name}: {e}") from None
 
@@ -247,28 +354,8 @@ def build(c: ml_collections.ConfigDict, device_count: int | None = None) -> Buil
     loss_cfg = _typed("loss", losses.LossConfig, dict(c.loss))
     rollout_cfg = _typed("rollout", RolloutConfig, dict(c.rollout))
     task = _task(c.task)
-    t, w = c.train, c.warm_start
-    for key in ("prompt_len", "max_new_tokens"):
-        check_int("config", key, c[key])
-    keys = (
-        "num_iterations",
-        "epochs",
-        "minibatches",
-        "microbatches",
-        "drift_subsample",
-        "eval_every",
-        "checkpoint_every",
-    )
-    for key in keys:
-        check_int("config", f"train.{key}", t[key])
-    check_int("config", "train.keep_checkpoints", t.keep_checkpoints)
-    check_int("config", "train.microbatch_tokens", t.microbatch_tokens, low=0)
-    check_int("config", "train.eval_batches", t.eval_batches)
-    OptimizerConfig.from_config(t, "config.train")
-    check_choice("config", "train.old_logp_source", t.old_logp_source, OLD_LOGP_SOURCES)
-    check_choice("config", "train.routing_replay", t.routing_replay, REPLAY)
-    for key in ("drift_metrics", "routing_diagnostics"):
-        check(isinstance(t[key], bool), "config", f"train.{key}", t[key], "True or False")
+    sampler = SamplerConfig(prompt_len=c.prompt_len, max_new_tokens=c.max_new_tokens)
+    t, optimizer = _with_optimizer("train", TrainConfig, dict(c.train))
     check(isinstance(c.cpu_fast_compile, bool), "config", "cpu_fast_compile", c.cpu_fast_compile, "True or False")
     batch = rollout_cfg.num_groups * rollout_cfg.group_size
     check(
@@ -285,14 +372,8 @@ def build(c: ml_collections.ConfigDict, device_count: int | None = None) -> Buil
         t.drift_subsample,
         f"a divisor of num_groups×group_size={batch}",
     )
-    if w.cache_dir:  # created on first use: it, or its parent, must be a directory already
-        d = Path(w.cache_dir)
-        ok = d.is_dir() or (not d.exists() and d.parent.is_dir())
-        check(ok, "config", "warm_start.cache_dir", w.cache_dir, "a directory, or a new one in an existing directory")
-    check_int("config", "warm_start.steps", w.steps, low=0)
-    check_int("config", "warm_start.batch_size", w.batch_size)
-    OptimizerConfig.from_config(w, "config.warm_start")
-    critic_cfg = _critic(c, model_cfg)
+    w = _with_optimizer("warm_start", WarmStartConfig, dict(c.warm_start), nested=True)
+    critic_cfg, critic_opt = _critic(c, model_cfg)
     experts = [("model", model_cfg)] + ([("critic.model", critic_cfg.model)] if critic_cfg else [])
     for key, m in experts[1:]:  # a separate critic scores the batch in its own chunks
         check(batch % m.batch_chunks == 0, "config", f"{key}.batch_chunks", m.batch_chunks, f"a divisor of {batch}")
@@ -304,8 +385,9 @@ def build(c: ml_collections.ConfigDict, device_count: int | None = None) -> Buil
         chunks,
         f"a divisor of num_groups×group_size={batch} (and of the drift batch, batch / train.drift_subsample)",
     )
+    mesh = _typed("mesh", MeshConfig, dict(c.mesh))
     data = _check_mesh(
-        c.mesh,
+        mesh,
         batch=batch,
         score_chunk=batch // chunks,
         critic_chunk=batch // critic_cfg.model.batch_chunks if critic_cfg else 0,  # 0: no critic
@@ -344,7 +426,35 @@ def build(c: ml_collections.ConfigDict, device_count: int | None = None) -> Buil
     micro = update_microbatches(
         batch // t.minibatches, c.prompt_len + c.max_new_tokens, data, t.microbatches, t.microbatch_tokens
     )
-    return Built(model=model_cfg, loss=loss_cfg, rollout=rollout_cfg, task=task, critic=critic_cfg, microbatches=micro)
+    return Built(
+        algorithm=c.algorithm,
+        seed=c.seed,
+        model=model_cfg,
+        loss=loss_cfg,
+        rollout=rollout_cfg,
+        task=task,
+        sampler=sampler,
+        train=t,
+        optimizer=optimizer,
+        warm_start=w,
+        mesh=mesh,
+        critic=critic_cfg,
+        critic_optimizer=critic_opt,
+        microbatches=micro,
+        hf_checkpoint=c.hf_checkpoint,
+        tokenizer_path=c.tokenizer_path,
+        cpu_fast_compile=c.cpu_fast_compile,
+    )
+
+
+def _with_optimizer(name: str, cls, section: dict, nested: bool = False):
+    """`config.<name>` as `cls` and the `OptimizerConfig` of its optimizer keys: (typed, optimizer),
+    or with `nested` one `cls` holding it as its `optimizer` field."""
+    optimizer = OptimizerConfig.from_config(section, f"config.{name}")
+    rest = {k: v for k, v in section.items() if k not in _optimizer_keys(learning_rate=1.0)}
+    if nested:
+        return _typed(name, cls, {**rest, "optimizer": optimizer})
+    return _typed(name, cls, rest), optimizer
 
 
 def _task(section: ml_collections.ConfigDict):
@@ -385,8 +495,11 @@ def update_microbatches(rows: int, seq_len: int, data: int, at_least: int, max_t
     return fits[0] if fits else counts[-1]
 
 
-def _critic(c: ml_collections.ConfigDict, policy: model_lib.ModelConfig) -> CriticConfig | None:
-    """`config.critic` typed, its trunk's architecture resolved (the policy's, or `critic.model`)."""
+def _critic(
+    c: ml_collections.ConfigDict, policy: model_lib.ModelConfig
+) -> tuple[CriticConfig | None, OptimizerConfig | None]:
+    """`config.critic` typed, its trunk's architecture resolved (the policy's, or `critic.model`), and
+    its optimizer; (None, None) without a critic."""
     has = "critic" in c
     needs = algorithms.get(c.algorithm).critic
     check(
@@ -397,7 +510,7 @@ def _critic(c: ml_collections.ConfigDict, policy: model_lib.ModelConfig) -> Crit
         f"a section exactly when the algorithm has a critic ({c.algorithm}: {needs})",
     )
     if not has:
-        return None
+        return None, None
     section = dict(c.critic)
     opt = OptimizerConfig.from_config(section, "config.critic")
     fields = {f.name for f in dataclasses.fields(CriticConfig)} | {f.name for f in dataclasses.fields(opt) if f.compare}
@@ -417,11 +530,12 @@ def _critic(c: ml_collections.ConfigDict, policy: model_lib.ModelConfig) -> Crit
             f"the policy's, {policy.vocab_size} (the critic reads the same tokens)",
         )
     keys = {f.name for f in dataclasses.fields(CriticConfig)} - {"model"}
-    return _typed("critic", CriticConfig, {**{k: section[k] for k in keys if k in section}, "model": model})
+    critic = _typed("critic", CriticConfig, {**{k: section[k] for k in keys if k in section}, "model": model})
+    return critic, opt
 
 
 def _check_mesh(
-    mesh: ml_collections.ConfigDict,
+    mesh: MeshConfig,
     *,
     batch: int,
     score_chunk: int,
@@ -435,7 +549,7 @@ def _check_mesh(
 ) -> int:
     """Axis sizes against the devices present, and the data axes against every batch they split;
     returns how many devices the batch is split over (data × fsdp × expert)."""
-    sizes = {k: mesh[k] for k in ("data", "fsdp", "expert", "tensor")}
+    sizes = mesh.axes()
     for k, v in sizes.items():
         check(is_int(v) and (v >= 1 or v == -1), "config", f"mesh.{k}", v, "an int >= 1, or -1 for the devices left")
     check(list(sizes.values()).count(-1) <= 1, "config", "mesh", dict(sizes), "at most one axis may be -1")

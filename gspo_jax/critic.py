@@ -231,3 +231,11 @@ def param_bytes(abstract_params: nnx.State) -> int:
     """Bytes of the critic's parameters (its optimizer's moments take twice that under AdamW)."""
     leaves = jax.tree.leaves(abstract_params)
     return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves)
+
+
+def with_advantages(cfg: CriticConfig, graphdef: nnx.GraphDef, critic_params: nnx.State, batch, rewards_B: Array):
+    """`batch` (a `train.TrainBatch`) with PPO's GAE advantages, the critic's values and the returns
+    (`estimate`), and the estimate's metrics."""
+    args = (batch.tokens, batch.positions, batch.loss_mask, rewards_B, batch.old_logp, batch.ref_logp)
+    adv_BT, v_BT, ret_BT, metrics = estimate(cfg, graphdef, critic_params, *args)
+    return batch.replace(advantages=adv_BT, values=v_BT, returns=ret_BT), metrics

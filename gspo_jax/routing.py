@@ -12,6 +12,7 @@ from typing import Protocol
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from gspo_jax import model as model_lib
@@ -212,3 +213,28 @@ def measure_drift(
     if diagnostics and batch.topk.shape[1] > 0:
         out.update(routing_diagnostics(batch.topk, topk_new_BLTK, logits_BLTE, batch.completion_mask))
     return out
+
+
+def drift_to_log(drift: dict[str, Array]) -> dict[str, float]:
+    """`measure_drift`'s result as `drift_*` scalars: per-layer values `x_per_layer` as
+    `drift_x_layer{i}` (`drift_flip_rate_layer{i}`), per-bucket ones as `drift_x_bucket{i}`; the [L, E]
+    expert loads stay out (`expert_loads`)."""
+    out = {}
+    for k, v in jax.device_get(drift).items():
+        v = np.asarray(v)
+        if k in ("load_old", "load_new"):
+            continue
+        if k.endswith("_per_layer"):
+            out.update({f"drift_{k[: -len('_per_layer')]}_layer{i}": float(x) for i, x in enumerate(v)})
+        elif v.ndim == 1:  # by margin bucket
+            out.update({f"drift_{k}_bucket{i}": float(x) for i, x in enumerate(v)})
+        else:
+            out[f"drift_{k}"] = float(v)
+    return out
+
+
+def expert_loads(drift: dict[str, Array]) -> dict[str, list] | None:
+    """π_old's and π_θ's per-expert load of each MoE layer ([L][E] lists), when the drift measured them."""
+    if "load_new" not in drift:
+        return None
+    return {k: np.asarray(drift[k]).tolist() for k in ("load_old", "load_new")}

@@ -333,7 +333,6 @@ class Sampler:
         nothing allocated: what `scripts/aot_compile.py` compiles for a TPU slice without one."""
         check(self.mesh is not None, "Sampler", "mesh", None, "a mesh to lower for")
         B, P = self._rows, self.prompt_len  # a slice's (the batch, with one thread)
-        shaped = lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh)
         i32, f32 = jnp.int32, jnp.float32
         args = (
             state,
@@ -345,7 +344,7 @@ class Sampler:
             jax.ShapeDtypeStruct((MAX_EOS_IDS,), i32),
             jax.ShapeDtypeStruct((), i32),
         )
-        args = jax.tree.map(shaped, args, self._in_shardings)
+        args = sharding_lib.abstract(args, self._in_shardings)
         return self._fn.lower(*self._static, *args)
 
     def __call__(

@@ -230,6 +230,16 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     return NamedSharding(mesh, P(DATA_AXES, *([None] * (ndim - 1))))
 
 
+def abstract(tree, shardings: Any = None):
+    """`tree`'s arrays (or shapes) as ShapeDtypeStructs placed by `shardings`: a tree like `tree`, one
+    sharding for every leaf, or None for each array's own. What `.lower` and orbax's restore take."""
+    if shardings is None:
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+    if isinstance(shardings, jax.sharding.Sharding):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=shardings), tree)
+    return jax.tree.map(lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh), tree, shardings)
+
+
 def data_size(mesh) -> int:
     """How many ways a batch is split: the product of the data axes' sizes."""
     return math.prod(mesh.shape[a] for a in DATA_AXES)

@@ -118,7 +118,7 @@ def load_params(run: Run, step: int, sharding: jax.sharding.Sharding | None = No
     if step not in available:
         raise ConfigError(f"step {step} is not a finished checkpoint of {run.workdir} (steps: {available or 'none'})")
     sharding = sharding or jax.sharding.SingleDeviceSharding(jax.devices()[0])
-    target = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), run.abstract_params)
+    target = sharding_lib.abstract(run.abstract_params, sharding)
     path = (run.workdir / CHECKPOINT_DIR / str(step) / STATE_ITEM).absolute()
     restore_args = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(sharding=sharding), target)
     with ocp.PyTreeCheckpointer() as checkpointer:

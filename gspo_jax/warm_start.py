@@ -64,15 +64,16 @@ def cache_key(config: ml_collections.ConfigDict) -> str:
 
 
 def warm_start(
-    config: ml_collections.ConfigDict, graphdef, params, *, mesh, rollout: Rollout, workdir: Path
+    built: config_lib.Built, key: str, graphdef, params, *, mesh, rollout: Rollout, workdir: Path
 ) -> tuple[Any, dict[str, float]]:
     """The warm-started parameters (sharded like `params`) and what to log about it; from the cache
-    when an identical warm start already ran. `warm_start.steps = 0` returns `params` as they are."""
-    w = config.warm_start
+    (`key`: `cache_key` of the run's config) when an identical warm start already ran.
+    `warm_start.steps = 0` returns `params` as they are."""
+    w = built.warm_start
     if w.steps == 0:
         return params, {}
-    abstract = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), params)
-    cache = Path(w.cache_dir or workdir) / f"warm_start_{cache_key(config)}"
+    abstract = sharding_lib.abstract(params)
+    cache = Path(w.cache_dir or workdir) / f"warm_start_{key}"
     cache.parent.mkdir(parents=True, exist_ok=True)
     # Runs sharing a cache (a sweep's) take turns: the first trains and saves, the others wait and
     # restore. One process only: on several, every process must take part in the training steps.
@@ -82,15 +83,17 @@ def warm_start(
         if restored is not None:
             _, params, info = restored
             return params, {**info, "warm_start_cached": 1.0}
-        params, info = train_on_demonstrations(config, graphdef, params, mesh=mesh, rollout=rollout)
+        params, info = train_on_demonstrations(built, graphdef, params, mesh=mesh, rollout=rollout)
         ckpt.save(w.steps, params, info, force=True)
     return params, info
 
 
-def train_on_demonstrations(config, graphdef, params, *, mesh, rollout: Rollout) -> tuple[Any, dict[str, float]]:
+def train_on_demonstrations(
+    built: config_lib.Built, graphdef, params, *, mesh, rollout: Rollout
+) -> tuple[Any, dict[str, float]]:
     """`warm_start.steps` supervised steps on batches of (prompt, demonstration + EOS)."""
-    w, task, tokenizer = config.warm_start, rollout.task, rollout.tokenizer
-    tx = optimizer_lib.make_optimizer(optimizer_lib.OptimizerConfig.from_config(w, "config.warm_start"), w.steps)
+    w, task, tokenizer = built.warm_start, rollout.task, rollout.tokenizer
+    tx = optimizer_lib.make_optimizer(w.optimizer, w.steps)
     param_sh = jax.tree.map(lambda x: x.sharding, params)
     opt_sh = optimizer_lib.state_shardings(tx, params, param_sh, mesh)
     opt_state = optimizer_lib.init_state(tx, params, param_sh, opt_sh)
@@ -101,10 +104,10 @@ def train_on_demonstrations(config, graphdef, params, *, mesh, rollout: Rollout)
         donate_argnums=(0, 1),
         in_shardings=(param_sh, opt_sh, b2, b2, b2),
         out_shardings=(param_sh, opt_sh, rep),
-        compiler_options=compiles.step_options(config.cpu_fast_compile),
+        compiler_options=compiles.step_options(built.cpu_fast_compile),
     )
-    it = prompt_iterator(task, seed=config.seed + 2, split="train")
-    C, eos = config.max_new_tokens, tokenizer.eos_token_id
+    it = prompt_iterator(task, seed=built.seed + 2, split="train")
+    C, eos = built.sampler.max_new_tokens, tokenizer.eos_token_id
     sft_losses = []
     for _ in range(w.steps):
         examples = it.next_batch(w.batch_size)

@@ -12,7 +12,7 @@ import pytest
 from gspo_jax.algorithms import ALGORITHMS
 
 ROOT = Path(__file__).resolve().parents[1]
-SPLIT = ("rollout_seconds", "logprob_seconds", "update_seconds", "drift_seconds")  # benchmarks.run.SPLIT
+SPLIT = ("rollout_seconds", "logprob_seconds", "update_seconds", "drift_seconds")  # benchmarks.run.iterations.SPLIT
 
 
 @pytest.mark.slow
@@ -144,7 +144,7 @@ def test_whole_split_reads_every_part_off_the_rows():
     (0.4 rollout, 0.1 log-probs, 0.3 update, 0.1 drift, 0.1 host), 1.07 s right after a save (its
     write slows the rollout), evaluation 0.5 s, logging 0.02 s, and a save blocks 0.25 s; step 1
     (compiling) is left out. A save then costs 0.25 + 0.07 s."""
-    from benchmarks.run import whole_split
+    from benchmarks.run.iterations import whole_split
 
     parts = dict(rollout_seconds=0.4, logprob_seconds=0.1, update_seconds=0.3, drift_seconds=0.1)
     rows, t = [{"step": 0, "time": 0.0}], 0.0
@@ -165,7 +165,7 @@ def test_whole_split_reads_every_part_off_the_rows():
 
 def test_targets_are_judged_from_the_results():
     """The closing table marks each target met or not from the figures, with hand-made results."""
-    from benchmarks.run import targets
+    from benchmarks.run.targets import targets
 
     res = {
         "train": {"default": {"mfu": 0.21}, "bench": {"mfu": 0.349}},
@@ -200,7 +200,7 @@ def test_targets_are_judged_from_the_results():
 
 
 def test_machine_names_the_cores_this_process_may_use():
-    from benchmarks.run import machine
+    from benchmarks.run.machine import machine
 
     m = machine()
     assert f", {len(os.sched_getaffinity(0))} cores)" in m and m.endswith("cpu device(s)"), m

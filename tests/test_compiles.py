@@ -1,6 +1,5 @@
 """Compile options and background compilation (`gspo_jax.compiles`)."""
 
-import functools
 import logging
 
 import jax
@@ -9,7 +8,8 @@ import ml_collections
 import numpy as np
 import pytest
 
-from gspo_jax import compiles, train
+from gspo_jax import compiles
+from gspo_jax import programs as programs_lib
 from gspo_jax.config import base_config, build
 from gspo_jax.sharding import mesh_from_config
 from gspo_jax.validation import ConfigError
@@ -21,7 +21,7 @@ def _f(scale, x_NK, w_KM):
 
 
 def test_background_compiles_once_and_runs_only_that_executable(compile_counter):
-    """A Background program equals the jitted one, compiles once for all its calls, and refuses
+    """A program compiled in the background equals the jitted one, compiles once for all its calls, and refuses
     arguments of another shape (TypeError) instead of compiling again."""
     jitted = jax.jit(_f, static_argnums=0)
     x, w = jnp.arange(12.0).reshape(3, 4) / 10, jnp.ones((4, 5)) / 4
@@ -30,7 +30,7 @@ def test_background_compiles_once_and_runs_only_that_executable(compile_counter)
     jax.clear_caches()
     compile_counter.reset()
     abstract = [jax.ShapeDtypeStruct(a.shape, a.dtype) for a in (x, w)]
-    program = compiles.Background(functools.partial(jitted, 2.0), *abstract)
+    program = compiles.Program(jitted, 2.0).in_background(*abstract)
     np.testing.assert_array_equal(program(x, w), want)
     np.testing.assert_array_equal(program(x1, w), want1)
     assert compile_counter.count == 1
@@ -95,10 +95,10 @@ def test_the_trainers_programs_compile_with_the_configs_options(monkeypatch):
         c.cpu_fast_compile = fast
         built = build(c)
         mesh = mesh_from_config(**c.mesh)
-        graphdef, params = train.init_policy(c, built.model, mesh)
-        score = train.compile_programs(c, built, graphdef, params, mesh).score
+        graphdef, params = programs_lib.init_policy(built, mesh)
+        score = programs_lib.compile_programs(built, graphdef, params, mesh).score
         tokens = jax.ShapeDtypeStruct((8, 32), jnp.int32)
-        lowered = score.func.lower(*score.args, params, tokens, tokens)
+        lowered = score.lower(params, tokens, tokens)
         if fast:
             with pytest.raises(Exception, match="xla_gspo_jax_probe_option"):
                 lowered.compile()

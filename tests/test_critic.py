@@ -15,6 +15,7 @@ from flax import nnx
 from test_train import Setup, minibatch, small, tiny, values
 
 from gspo_jax import critic as critic_lib
+from gspo_jax import run as run_lib
 from gspo_jax import train
 from gspo_jax.checkpoint import Checkpointer
 from gspo_jax.config import base_config, build
@@ -46,7 +47,7 @@ def test_values_are_the_head_on_the_previous_positions_hidden_state(ppo):
     params["value_head"].set_value(jnp.linspace(-1, 1, s.built.critic.model.embed_dim))
     params["value_bias"].set_value(jnp.float32(0.25))
     batch = minibatch(s)
-    graphdef = s.programs.train_step.args[0].critic.graphdef
+    graphdef = s.programs.step_config.critic.graphdef
     v_BT = critic_lib.values(graphdef, params, batch.tokens, batch.positions)
     critic = nnx.merge(graphdef, params)
     x_BTD, _ = critic.trunk.hidden(batch.tokens, batch.positions)
@@ -130,7 +131,7 @@ def test_estimate_with_a_fresh_critic_gives_each_token_its_reward(jit, ppo):
     state, batch = s.state(), minibatch(s)
     rewards = jnp.arange(batch.tokens.shape[0], dtype=jnp.float32) % 3
     cfg = s.built.critic
-    graphdef = s.programs.train_step.args[0].critic.graphdef
+    graphdef = s.programs.step_config.critic.graphdef
     fn = critic_lib.estimate
     if jit:
         fn = jax.jit(fn, static_argnums=(0, 1))
@@ -153,13 +154,13 @@ def test_estimate_with_a_fresh_critic_gives_each_token_its_reward(jit, ppo):
 def test_kl_in_the_reward_needs_the_reference_and_a_scoring_pass(ppo):
     c = tiny("ppo")
     c.train.minibatches = 1
-    assert train.shares_old_forward(c.train, build(c).loss, build(c).critic)
+    assert train.shares_old_forward(build(c).train, build(c).loss, build(c).critic)
     c.critic.kl_reward_coef = 0.05
-    assert not train.shares_old_forward(c.train, build(c).loss, build(c).critic)
+    assert not train.shares_old_forward(build(c).train, build(c).loss, build(c).critic)
     s = ppo
     batch = minibatch(s)
     cfg = dataclasses.replace(s.built.critic, kl_reward_coef=0.5, whiten_advantages=False)
-    graphdef = s.programs.train_step.args[0].critic.graphdef
+    graphdef = s.programs.step_config.critic.graphdef
     zero = jnp.zeros(batch.tokens.shape[0])
     args = (batch.tokens, batch.positions, batch.loss_mask, zero, batch.old_logp, batch.ref_logp)
     adv, _, _, _ = critic_lib.estimate(cfg, graphdef, s.state().critic.params, *args)
@@ -198,7 +199,7 @@ def test_the_critic_leaves_the_policy_update_as_it_was(ppo):
     batch = with_critic_fields(s, minibatch(s, seed=2))
     with_critic, m1, _ = s.step(batch)
     state = s.state()
-    static = s.programs.train_step.args[0]
+    static = s.programs.step_config
     no_critic = dataclasses.replace(static, critic=None)
     fn = jax.jit(train.train_step, static_argnums=0)
     without, m2, _ = fn(no_critic, state.replace(critic=None), batch.replace(values=None, returns=None))
@@ -272,11 +273,11 @@ def test_tiny_ppo_run_logs_the_critic_and_resumes_bitwise_with_it(tmp_path, monk
     from test_train import _metrics, _sigterm_after
 
     c = tiny("ppo")
-    train.train_and_evaluate(c, tmp_path / "full", progress=False)
-    with monkeypatch.context() as m, pytest.raises(train.StoppedEarly):
+    run_lib.train_and_evaluate(c, tmp_path / "full", progress=False)
+    with monkeypatch.context() as m, pytest.raises(run_lib.StoppedEarly):
         _sigterm_after(m, 0)
-        train.train_and_evaluate(c, tmp_path / "resumed", progress=False)
-    train.train_and_evaluate(c, tmp_path / "resumed", progress=False)
+        run_lib.train_and_evaluate(c, tmp_path / "resumed", progress=False)
+    run_lib.train_and_evaluate(c, tmp_path / "resumed", progress=False)
 
     def final(workdir):
         s = Setup(c)

@@ -20,8 +20,9 @@ import jax
 import numpy as np
 import pytest
 
+from gspo_jax import checkpoint, sharding, snapshots
 from gspo_jax import model as model_lib
-from gspo_jax import snapshots, train
+from gspo_jax import programs as programs_lib
 from gspo_jax import workdir as workdir_lib
 from gspo_jax.checkpoint import _COMMIT_MARKER, Checkpointer
 from gspo_jax.config import base_config, build
@@ -63,15 +64,15 @@ def make_run(workdir: Path, config) -> SimpleNamespace:
     workdir.mkdir(parents=True)
     workdir_lib.record_config(workdir, config, [])
     built = build(config)
-    mesh = train.sharding_lib.mesh_from_config(**config.mesh)
+    mesh = sharding.mesh_from_config(**config.mesh)
     # Random parameters drawn by numpy: `model.init` would compile for seconds to draw the same kind.
     graphdef, abstract = model_lib.abstract_model(built.model)
     rng = np.random.default_rng(0)
     draw = lambda a: (rng.standard_normal(a.shape) * a.shape[-1] ** -0.5).astype(a.dtype)
     params = jax.device_put(jax.tree.map(draw, abstract), jax.devices()[0])
     noise = jax.tree.map(lambda a: rng.standard_normal(a.shape).astype(a.dtype), abstract)
-    programs = train.compile_programs(config, built, graphdef, params, mesh)
-    state = train.init_train_state(programs, params, config.seed)
+    programs = programs_lib.compile_programs(built, graphdef, params, mesh)
+    state = programs_lib.init_train_state(programs, params, config.seed)
     prompts = prompt_iterator(built.task, seed=config.seed, split="train")
     with Checkpointer(workdir / "checkpoints", max_to_keep=None) as ckpt:
         for s in STEPS:
@@ -109,7 +110,7 @@ def test_load_params_equals_the_params_training_resumes_with(run, tmp_path):
     finished = lambda d, names: [n for n in names if n.isdigit() and not (Path(d) / n / _COMMIT_MARKER).exists()]
     shutil.copytree(run.workdir, copy, ignore=finished)
     opened = snapshots.open_run(copy)
-    abstract = train.abstract_train_state(run.programs, run.params)
+    abstract = programs_lib.abstract_train_state(run.programs, run.params)
     built = build(run.config)
     with Checkpointer(copy / "checkpoints") as ckpt:
         for s in STEPS:
@@ -117,7 +118,7 @@ def test_load_params_equals_the_params_training_resumes_with(run, tmp_path):
             loaded = snapshots.load_params(opened, s)
             assert jax.tree.structure(loaded) == jax.tree.structure(restored.params)
             jax.tree.map(np.testing.assert_array_equal, loaded, restored.params)
-        start, state = train.resume(ckpt, abstract, prompt_iterator(built.task, seed=0, split="train"))
+        start, state = checkpoint.resume(ckpt, abstract, prompt_iterator(built.task, seed=0, split="train"))
     assert start == STEPS[-1]
     jax.tree.map(np.testing.assert_array_equal, snapshots.load_params(opened, STEPS[-1]), state.params)
     first, last = (jax.tree.leaves(snapshots.load_params(opened, s))[0] for s in (STEPS[0], STEPS[-1]))

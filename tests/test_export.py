@@ -19,8 +19,9 @@ import pytest
 from transformers import AutoConfig, AutoTokenizer
 
 from gspo_jax import config as config_lib
-from gspo_jax import hf, snapshots, train
+from gspo_jax import hf, snapshots
 from gspo_jax import model as model_lib
+from gspo_jax import run as run_lib
 from gspo_jax import workdir as workdir_lib
 from gspo_jax.checkpoint import Checkpointer
 from gspo_jax.config import base_config
@@ -54,8 +55,8 @@ def run(tmp_path_factory):
     c.warm_start.steps = 0
     c.train.update(num_iterations=2, checkpoint_every=1, eval_every=10, eval_batches=1, drift_metrics=False)
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(train.plots, "plot_run", lambda workdir: None)  # plots are seconds, and not what is tested
-        train.train_and_evaluate(c, workdir, progress=False)
+        m.setattr(run_lib.plots, "plot_run", lambda workdir: None)  # plots are seconds, and not what is tested
+        run_lib.train_and_evaluate(c, workdir, progress=False)
     assert snapshots.steps(workdir) == [1, 2]
     return workdir, digest(workdir)
 

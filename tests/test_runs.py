@@ -19,7 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gspo_jax import train, workdir
+from gspo_jax import checkpoint, sharding, train, workdir
+from gspo_jax import programs as programs_lib
+from gspo_jax import run as run_lib
 from gspo_jax.checkpoint import Checkpointer
 from gspo_jax.config import base_config, build, update_microbatches
 from gspo_jax.validation import ConfigError
@@ -82,6 +84,10 @@ def rows(path: Path) -> list[int]:
         ("train.microbatch_tokens", -1, "microbatch_tokens"),
         ("rollout.sampler_threads", 3, "sampler_threads"),  # not a divisor of the batch of 8
         ("rollout.sampler_threads", -1, "sampler_threads"),
+        ("train.old_logp_source", "engine", "old_logp_source"),  # the typed sections' own checks
+        ("train.keep_checkpoints", 0, "keep_checkpoints"),
+        ("warm_start.steps", -1, "warm_start.steps"),
+        ("max_new_tokens", 0, "max_new_tokens"),
     ],
 )
 def test_values_that_cannot_work_are_refused_at_build_naming_the_key(key, value, field):
@@ -91,6 +97,22 @@ def test_values_that_cannot_work_are_refused_at_build_naming_the_key(key, value,
     with pytest.raises(ConfigError, match=field) as e:
         build(c)
     assert "\n" not in str(e.value)
+
+
+def test_the_trainer_reads_typed_sections_and_unknown_keys_are_refused():
+    """`build` gives the trainer typed sections holding the config's values (the optimizer keys apart);
+    a key no section has is refused at build, naming the section and its allowed fields."""
+    c = base_config("gspo", "tiny")
+    b = build(c)
+    assert b.train.minibatches == c.train.minibatches and b.optimizer.learning_rate == c.train.learning_rate
+    assert b.warm_start.steps == c.warm_start.steps and b.warm_start.optimizer.b2 == c.warm_start.b2
+    assert b.mesh.axes() == dict(c.mesh) and b.sampler.seq_len == c.prompt_len + c.max_new_tokens
+    assert b.train.updates == c.train.num_iterations * c.train.epochs * c.train.minibatches
+    for section in ("train", "warm_start", "mesh"):
+        d = base_config("gspo", "tiny")
+        d[section].bogus = 1
+        with pytest.raises(ConfigError, match=rf"config.{section}: unknown field\(s\) \['bogus'\]; allowed"):
+            build(d)
 
 
 def test_mesh_data_axes_must_divide_every_batch():
@@ -371,8 +393,8 @@ def test_checkpoints_that_do_not_restore_stop_the_run_instead_of_training_withou
     with Checkpointer(tmp_path / "checkpoints") as ckpt:
         ckpt.save(3, {"w": jnp.zeros(3)}, {"iteration": 2, "prompts": {}}, force=True)
     c = base_config("gspo", "tiny")
-    with pytest.raises(train.CheckpointMismatch, match="use a new workdir"):
-        train.train_and_evaluate(c, tmp_path, progress=False)
+    with pytest.raises(checkpoint.CheckpointMismatch, match="use a new workdir"):
+        run_lib.train_and_evaluate(c, tmp_path, progress=False)
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
@@ -384,9 +406,9 @@ def test_an_update_that_would_make_parameters_non_finite_is_skipped():
     c = base_config("gspo", "tiny")
     c.train.update(learning_rate=3e38, weight_decay=1.0, max_grad_norm=0.0, warmup_steps=0)
     built = build(c)
-    mesh = train.sharding_lib.mesh_from_config(**c.mesh)
-    graphdef, params = train.init_policy(c, built.model, mesh)
-    programs = train.compile_programs(c, built, graphdef, params, mesh)
+    mesh = sharding.mesh_from_config(**c.mesh)
+    graphdef, params = programs_lib.init_policy(built, mesh)
+    programs = programs_lib.compile_programs(built, graphdef, params, mesh)
     B, T = 4, c.prompt_len + c.max_new_tokens
     tokens = jnp.ones((B, T), jnp.int32)
     positions = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
@@ -403,7 +425,7 @@ def test_an_update_that_would_make_parameters_non_finite_is_skipped():
         advantages=jnp.array([1.0, -1.0, 0.5, -0.5]),
         topk=topk,
     )
-    state = train.init_train_state(programs, params, 0)
+    state = programs_lib.init_train_state(programs, params, 0)
     for _ in range(3):  # the schedule's first step has lr 0; a later one overflows
         before = jax.tree.map(np.asarray, state)
         state, m, _ = programs.train_step(state, jax.device_put(batch, programs.batch_shardings))
@@ -436,19 +458,19 @@ def _signal_after(monkeypatch, iteration, *signums):
 def test_sigint_stops_like_sigterm_and_a_second_one_stops_at_once(tmp_path, monkeypatch):
     c = base_config("dapo", "tiny")
     c.train.num_iterations = 4
-    with monkeypatch.context() as m, pytest.raises(train.StoppedEarly, match="SIGINT after iteration 0"):
+    with monkeypatch.context() as m, pytest.raises(run_lib.StoppedEarly, match="SIGINT after iteration 0"):
         _signal_after(m, 0, signal.SIGINT)
-        train.train_and_evaluate(c, tmp_path, progress=False)
+        run_lib.train_and_evaluate(c, tmp_path, progress=False)
     assert Checkpointer(tmp_path / "checkpoints").all_steps() == [1]
     assert rows(tmp_path) == [0, 1]
 
     with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
         _signal_after(m, 2, signal.SIGINT, signal.SIGINT)  # after iteration 2 wrote its row, before its save
-        train.train_and_evaluate(c, tmp_path, progress=False)
+        run_lib.train_and_evaluate(c, tmp_path, progress=False)
     assert Checkpointer(tmp_path / "checkpoints").all_steps() == [1, 2]
     assert rows(tmp_path) == [0, 1, 2]
 
-    train.train_and_evaluate(c, tmp_path, progress=False)  # resumes from step 2 and finishes
+    run_lib.train_and_evaluate(c, tmp_path, progress=False)  # resumes from step 2 and finishes
     assert rows(tmp_path) == [0, 1, 2, 3, 4]
 
 
@@ -465,10 +487,10 @@ def test_after_a_crash_metrics_hold_one_row_per_step(tmp_path, monkeypatch):
 
     with monkeypatch.context() as m, pytest.raises(RuntimeError, match="died"):
         m.setattr(train, "rl_iteration", crash_in_iteration_3)
-        train.train_and_evaluate(c, tmp_path, progress=False)
+        run_lib.train_and_evaluate(c, tmp_path, progress=False)
     assert rows(tmp_path) == [0, 1, 2, 3]  # step 3 is past the last checkpoint (2)
     assert Checkpointer(tmp_path / "checkpoints").all_steps() == [2]
-    train.train_and_evaluate(c, tmp_path, progress=False)
+    run_lib.train_and_evaluate(c, tmp_path, progress=False)
     assert rows(tmp_path) == [0, 1, 2, 3, 4]
 
 
@@ -502,13 +524,13 @@ def test_a_run_whose_updates_overflow_warns_once_per_iteration_and_saves_only_fi
     c = base_config("gspo", "tiny")
     c.train.update(learning_rate=3e38, weight_decay=1.0, warmup_steps=0, num_iterations=2)
     with caplog.at_level("WARNING", logger="gspo_jax.train"):
-        metrics = train.train_and_evaluate(c, tmp_path, progress=False)
+        metrics = run_lib.train_and_evaluate(c, tmp_path, progress=False)
     warnings = [r.getMessage() for r in caplog.records if "updates skipped" in r.getMessage()]
     assert len(warnings) == 2 and metrics["skipped"] >= 1  # iterations 0 and 1 each skipped some
     s = build(c)
-    mesh = train.sharding_lib.mesh_from_config(**c.mesh)
-    graphdef, params = train.init_policy(c, s.model, mesh)
-    programs = train.compile_programs(c, s, graphdef, params, mesh)
+    mesh = sharding.mesh_from_config(**c.mesh)
+    graphdef, params = programs_lib.init_policy(s, mesh)
+    programs = programs_lib.compile_programs(s, graphdef, params, mesh)
     with Checkpointer(tmp_path / "checkpoints") as ckpt:
-        _, state, _ = ckpt.restore_latest(train.abstract_train_state(programs, params))
+        _, state, _ = ckpt.restore_latest(programs_lib.abstract_train_state(programs, params))
     assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state))

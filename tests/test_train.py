@@ -15,9 +15,11 @@ import numpy as np
 import optax
 import pytest
 
-from gspo_jax import losses, routing, train
+from gspo_jax import checkpoint, losses, routing, train
 from gspo_jax import model as model_lib
 from gspo_jax import optimizer as optimizer_lib
+from gspo_jax import programs as programs_lib
+from gspo_jax import run as run_lib
 from gspo_jax.checkpoint import Checkpointer
 from gspo_jax.config import base_config, build
 from gspo_jax.sharding import mesh_from_config
@@ -46,12 +48,12 @@ class Setup:
     def __init__(self, config):
         self.config, self.built = config, build(config)
         self.mesh = mesh_from_config(**config.mesh)
-        self.graphdef, self.params = train.init_policy(config, self.built.model, self.mesh)
-        self.programs = train.compile_programs(config, self.built, self.graphdef, self.params, self.mesh)
+        self.graphdef, self.params = programs_lib.init_policy(self.built, self.mesh)
+        self.programs = programs_lib.compile_programs(self.built, self.graphdef, self.params, self.mesh)
         self.mb_size = self.built.rollout.num_groups * self.built.rollout.group_size // config.train.minibatches
 
     def state(self):
-        return train.init_train_state(self.programs, self.params, self.config.seed)
+        return programs_lib.init_train_state(self.programs, self.params, self.config.seed)
 
     def step(self, batch: train.TrainBatch):
         return self.programs.train_step(self.state(), jax.device_put(batch, self.programs.batch_shardings))
@@ -106,7 +108,7 @@ def test_sharded_train_step_equals_single_device(algorithm):
     # ... and expert-parallel: the MoE's tokens travel to their experts with an all-to-all.
     step = sharded.programs.train_step
     args = (sharded.state(), jax.device_put(batch, sharded.programs.batch_shardings))
-    assert "all_to_all" in step.func.lower(*step.args, *args).as_text()
+    assert "all_to_all" in step.lower(*args).as_text()
 
 
 @pytest.mark.parametrize("algorithm", ["dapo", "grpo"])
@@ -124,8 +126,8 @@ def test_microbatches_give_the_same_update(algorithm):
         rows = c2.rollout.num_groups * c2.rollout.group_size // c2.train.minibatches
         c2.train.microbatch_tokens = rows // 2 * (c2.prompt_len + c2.max_new_tokens)
     two = Setup(c2)
-    assert one.programs.train_step.args[0].microbatches == 1 and two.built.microbatches == 2
-    assert two.programs.train_step.args[0].microbatches == 2
+    assert one.programs.step_config.microbatches == 1 and two.built.microbatches == 2
+    assert two.programs.step_config.microbatches == 2
     batch = minibatch(one, seed=1)
     s1, m1, _ = one.step(batch)
     s2, m2, _ = two.step(batch)
@@ -143,7 +145,7 @@ def test_a_bfloat16_sampler_shows_a_mismatch_the_float32_trainer_measures(tmp_pa
     c.rollout.dtype = "bfloat16"
     c.warm_start.steps = 0
     c.train.update(num_iterations=1, minibatches=1, eval_every=10)
-    train.train_and_evaluate(c, tmp_path, progress=False)
+    run_lib.train_and_evaluate(c, tmp_path, progress=False)
     row = _metrics(tmp_path)[1]
     assert 1e-3 < row["mismatch_logp_abs_mean"] <= row["old_logp_max_diff"]  # float32 alone: < 1e-4
     assert 0.0 < row["mismatch_kl_k3"] < 0.1
@@ -242,7 +244,7 @@ def test_drift_equals_the_own_and_the_replayed_forward():
     s = Setup(c)
     batch = minibatch(s, seed=5)
     c.seed += 1  # another policy than the one that routed the batch: its routing differs
-    _, params = train.init_policy(c, s.built.model, s.mesh)
+    _, params = programs_lib.init_policy(build(c), s.mesh)
     drift = s.programs.drift(params, jax.device_put(batch, s.programs.batch_shardings))
     temperature = float(s.built.rollout.temperature) or 1.0
     own, aux = model_lib.logprobs(
@@ -273,7 +275,7 @@ def test_drift_equals_the_own_and_the_replayed_forward():
 def test_which_runs_share_the_old_forward(epochs, minibatches, source, replay, shared):
     c = tiny()
     c.train.update(epochs=epochs, minibatches=minibatches, old_logp_source=source, routing_replay=replay)
-    assert train.shares_old_forward(c.train) is shared
+    assert train.shares_old_forward(build(c).train) is shared
 
 
 @pytest.mark.parametrize("algorithm, microbatches", [("gspo", 2)])  # sequence ratios, stacked micro-batches
@@ -437,7 +439,7 @@ def _final_params(workdir, config):
     """The params of the newest checkpoint in `workdir`, as numpy arrays."""
     s = Setup(config)
     with Checkpointer(Path(workdir) / "checkpoints") as ckpt:
-        restored = train.resume(ckpt, s.state(), _prompts(s))
+        restored = checkpoint.resume(ckpt, s.state(), _prompts(s))
     return [np.asarray(x) for x in jax.tree.leaves(restored[1].params)]
 
 
@@ -462,15 +464,15 @@ def _sigterm_after(monkeypatch, iteration):
 def test_tiny_end_to_end_compiles_once_checkpoints_and_resumes_bitwise(tmp_path, compile_counter, monkeypatch):
     c = tiny("grpo")  # KL to the reference: exercises the ref model path too
     jax.clear_caches()  # as in a fresh process: earlier tests compiled the same functions
-    train.train_and_evaluate(c, tmp_path / "full", progress=False)
+    run_lib.train_and_evaluate(c, tmp_path / "full", progress=False)
 
-    with monkeypatch.context() as m, pytest.raises(train.StoppedEarly):
+    with monkeypatch.context() as m, pytest.raises(run_lib.StoppedEarly):
         _sigterm_after(m, 0)  # "interrupted" after iteration 1
-        train.train_and_evaluate(c, tmp_path / "resumed", progress=False)
+        run_lib.train_and_evaluate(c, tmp_path / "resumed", progress=False)
     compile_counter.reset()
-    train.train_and_evaluate(c, tmp_path / "resumed", progress=False)  # same process: resumes, compiles nothing
+    run_lib.train_and_evaluate(c, tmp_path / "resumed", progress=False)  # same process: resumes, compiles nothing
     assert compile_counter.count == 0
-    assert train.train_and_evaluate(c, tmp_path / "resumed", progress=False) == {}  # nothing left to do
+    assert run_lib.train_and_evaluate(c, tmp_path / "resumed", progress=False) == {}  # nothing left to do
 
     for a, b in zip(_final_params(tmp_path / "full", c), _final_params(tmp_path / "resumed", c)):
         np.testing.assert_array_equal(a, b)  # bitwise
@@ -512,7 +514,7 @@ def test_one_update_per_batch_shares_the_old_forward_and_subsamples_drift(tmp_pa
     for source in ("trainer", "sampler"):
         c = tiny("gspo")
         c.train.update(minibatches=1, num_iterations=1, old_logp_source=source, drift_subsample=2)
-        train.train_and_evaluate(c, tmp_path / source, progress=False)
+        run_lib.train_and_evaluate(c, tmp_path / source, progress=False)
         rows[source] = _metrics(tmp_path / source)[1]
     shared, sampler = rows["trainer"], rows["sampler"]
     assert shared["reward_mean"] == sampler["reward_mean"]  # the same rollout
@@ -594,8 +596,8 @@ def test_sigterm_saves_a_checkpoint_and_stops_at_the_iteration_boundary(tmp_path
     _sigterm_after(monkeypatch, 0)  # "preempted" while iteration 1 finishes
     c = tiny("dapo")
     c.train.checkpoint_every = 100  # only the preemption save can write step 1
-    with pytest.raises(train.StoppedEarly, match="SIGTERM after iteration 0"):
-        train.train_and_evaluate(c, tmp_path, progress=False)
+    with pytest.raises(run_lib.StoppedEarly, match="SIGTERM after iteration 0"):
+        run_lib.train_and_evaluate(c, tmp_path, progress=False)
     assert Checkpointer(tmp_path / "checkpoints").all_steps() == [1]
     assert [r["step"] for r in _metrics(tmp_path)] == [0, 1]
 
@@ -606,7 +608,7 @@ def test_a_sigterm_during_the_last_iteration_lets_the_run_finish(tmp_path, monke
     c = tiny("dapo")
     c.train.update(num_iterations=2, checkpoint_every=100)
     _sigterm_after(monkeypatch, 1)
-    train.train_and_evaluate(c, tmp_path, progress=False)  # no StoppedEarly
+    run_lib.train_and_evaluate(c, tmp_path, progress=False)  # no StoppedEarly
     assert Checkpointer(tmp_path / "checkpoints").all_steps() == [2]
     assert list((tmp_path / "plots").glob("*.png"))
 
@@ -627,7 +629,7 @@ def test_training_starts_from_a_hugging_face_checkpoint(tmp_path):
     B = s.built.rollout.num_groups * s.built.rollout.group_size
     sampler = Sampler(s.graphdef, s.built.model, B, c.prompt_len, c.max_new_tokens, mesh=s.mesh, state=s.params)
     rollout = Rollout(sampler, s.built.task, load_tokenizer(), s.built.rollout)
-    new, metrics = train.rl_iteration(s.programs, rollout, c, s.state(), _prompts(s), 0)
+    new, metrics = train.rl_iteration(s.programs, rollout, s.built.train, s.state(), _prompts(s), 0)
     assert np.isfinite(metrics["loss"]) and int(new.step) == c.train.minibatches
     bad = tiny("gspo")
     bad.hf_checkpoint = str(tmp_path / "missing")

@@ -1,0 +1,177 @@
+"""A run's jitted programs over its mesh: the policy's parameters placed on it, the train state's and
+batch's shardings, and `train_step`, the scoring forward, the drift measurement and the critic's
+estimate jitted with explicit in/out shardings (`compile_programs`). Each is a `compiles.Program`:
+called like the function, lowered as it is for AOT compiles and profiles."""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from gspo_jax import compiles, hf, routing
+from gspo_jax import config as config_lib
+from gspo_jax import critic as critic_lib
+from gspo_jax import model as model_lib
+from gspo_jax import optimizer as optimizer_lib
+from gspo_jax import sharding as sharding_lib
+from gspo_jax.compiles import Program
+from gspo_jax.train import Scored, StepConfig, TrainBatch, TrainState, shares_old_forward, train_step
+
+
+class Programs(NamedTuple):
+    """A run's jitted functions, with explicit shardings over its mesh."""
+
+    train_step: Program  # (state, minibatch) -> (state, metrics, Scored | None); state donated
+    take: Callable  # (batch, rows) -> the batch's rows, on the mesh (minibatches, drift sub-samples)
+    take_scored: Callable  # (Scored, rows) -> its rows, on the mesh
+    score: Program  # (params, tokens, positions) -> (logp [B, T], topk [B, L, T, K])
+    drift: Program  # (params, batch) -> drift metrics (routing.measure_drift)
+    estimate: Program | None  # (critic params, batch, rewards [B]) -> (batch with GAE advantages, metrics)
+    init_critic: Callable[[nnx.State], critic_lib.CriticState] | None  # (policy params) -> the critic's state
+    step_config: StepConfig  # `train_step`'s static part
+    optimizer: optax.GradientTransformation
+    state_shardings: TrainState
+    batch_shardings: TrainBatch
+
+    @property
+    def on_policy(self) -> bool:
+        """π_old's log-probs come from the update's forward (`train.shares_old_forward`)."""
+        return self.step_config.on_policy
+
+
+def init_policy(built: config_lib.Built, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, params on the mesh): from `hf_checkpoint`, or a random init from `seed`."""
+    model_cfg = built.model
+    if built.hf_checkpoint:
+        _, graphdef, params = hf.load_hf_checkpoint(
+            built.hf_checkpoint, dtype=model_cfg.param_dtype, dispatch=model_cfg.dispatch, mesh=mesh
+        )
+        return graphdef, jax.device_put(params, sharding_lib.param_shardings(mesh, params))
+    shardings = sharding_lib.param_shardings(mesh, model_lib.abstract_model(model_cfg)[1])
+    return model_lib.init(model_cfg, built.seed, shardings)
+
+
+def compile_programs(built: config_lib.Built, graphdef, params, mesh: jax.sharding.Mesh) -> Programs:
+    """Jits `train_step`, the scoring forward and the drift measurement for this run's shapes."""
+    t = built.train
+    rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    param_sh = sharding_lib.param_shardings(mesh, params)
+    tx = optimizer_lib.make_optimizer(built.optimizer, t.updates)
+    opt_sh = optimizer_lib.state_shardings(tx, params, param_sh, mesh)
+    state_sh = TrainState(step=rep, params=param_sh, opt_state=opt_sh, rng=rep)
+    # Module-level functions with their static arguments marked, not closures: equal configs (a run
+    # resumed in the same process) reuse the compilation.
+    on_mesh = functools.partial(sharding_lib.under_mesh, mesh=mesh)
+    critic_cfg = built.critic
+    batch_sh = TrainBatch.shardings(mesh, bool(critic_cfg))
+    scored_sh = Scored(batch_sh.old_logp, batch_sh.topk)
+    critic_static = estimate = init_critic = None
+    options = compiles.step_options(built.cpu_fast_compile)  # XLA:CPU's fast-compile code generation or not
+    if critic_cfg:
+        critic_graphdef, abstract_critic = critic_lib.abstract(critic_cfg.model)
+        critic_static = critic_lib.CriticStep(critic_graphdef, built.critic_optimizer, t.updates, critic_cfg.value_clip)
+        critic_sh = critic_lib.state_shardings(critic_static, abstract_critic, mesh)
+        state_sh = state_sh.replace(critic=critic_sh)
+        rewards_sh = sharding_lib.batch_sharding(mesh, 1)
+        estimate = jax.jit(
+            on_mesh(critic_lib.with_advantages),
+            static_argnums=(0, 1),
+            in_shardings=(critic_sh.params, batch_sh, rewards_sh),
+            out_shardings=(batch_sh, rep),
+            compiler_options=options,
+        )
+        estimate = Program(estimate, critic_cfg, critic_graphdef)
+        init_critic = functools.partial(critic_lib.init_state, critic_cfg, critic_static, critic_sh, built.seed + 2)
+    temperature = float(built.rollout.temperature) or 1.0  # greedy rollouts are scored at temperature 1
+    static = StepConfig(
+        graphdef=graphdef,
+        loss=built.loss,
+        optimizer=built.optimizer,
+        total_steps=t.updates,
+        temperature=temperature,
+        replay=t.routing_replay != "none",
+        microbatches=built.microbatches,
+        routing_diagnostics=t.routing_diagnostics,
+        on_policy=shares_old_forward(t, built.loss, critic_cfg),
+        critic=critic_static,
+    )
+    step = jax.jit(
+        on_mesh(train_step),
+        static_argnums=0,
+        in_shardings=(state_sh, batch_sh),
+        out_shardings=(state_sh, rep, scored_sh if static.on_policy else None),
+        donate_argnums=1,
+        compiler_options=options,
+    )
+    score = jax.jit(
+        on_mesh(model_lib.score),
+        static_argnums=(0, 1),
+        in_shardings=(param_sh, batch_sh.tokens, batch_sh.positions),
+        out_shardings=(batch_sh.old_logp, batch_sh.topk),
+        compiler_options=options,
+    )
+    drift = jax.jit(
+        on_mesh(routing.measure_drift),
+        static_argnums=(0, 1, 2),
+        in_shardings=(param_sh, batch_sh),
+        out_shardings=rep,
+        compiler_options=options,
+    )
+    return Programs(
+        train_step=Program(step, static),
+        take=jax.jit(take_rows, in_shardings=(batch_sh, rep), out_shardings=batch_sh),
+        take_scored=jax.jit(take_rows, in_shardings=(scored_sh, rep), out_shardings=scored_sh),
+        score=Program(score, graphdef, temperature),
+        drift=Program(drift, graphdef, temperature, t.routing_diagnostics),
+        estimate=estimate,
+        init_critic=init_critic,
+        step_config=static,
+        optimizer=tx,
+        state_shardings=state_sh,
+        batch_shardings=batch_sh,
+    )
+
+
+def compile_in_background(programs: Programs, built: config_lib.Built, params) -> Programs:
+    """`programs` with the train step and the drift measurement compiled now, on a background thread, for
+    the shapes `train.rl_iteration` calls them with, while the run initialises, evaluates and samples
+    its first rollout (on 2 CPU cores the `iteration` shape's first row comes ~1 s sooner)."""
+    t, B, T = built.train, built.batch_size, built.sampler.seq_len
+    batch = lambda rows: sharding_lib.abstract(TrainBatch.abstract(built, rows, T), programs.batch_shardings)
+    step = programs.train_step.in_background(abstract_train_state(programs, params), batch(B // t.minibatches))
+    if not t.drift_metrics:
+        return programs._replace(train_step=step)
+    abstract_params = sharding_lib.abstract(params, programs.state_shardings.params)
+    drift = programs.drift.in_background(abstract_params, batch(B // t.drift_subsample))
+    return programs._replace(train_step=step, drift=drift)
+
+
+def take_rows(tree, rows):
+    """Rows `rows` of every batch-first array of `tree` (jitted with the batch's shardings: the
+    gather stays on the mesh instead of passing through one device or the host)."""
+    return jax.tree.map(lambda x: x[rows], tree)
+
+
+def init_train_state(programs: Programs, params, seed: int) -> TrainState:
+    """A fresh train state on the mesh. It owns a copy of `params`: `train_step` donates its state,
+    and the caller's params may still be needed (the reference policy)."""
+    sh = programs.state_shardings
+    # The critic's trunk copies the (warm-started) policy's, before the policy trains.
+    critic = None if programs.init_critic is None else programs.init_critic(params)
+    params = jax.tree.map(jnp.copy, params)
+    opt_state = optimizer_lib.init_state(programs.optimizer, params, sh.params, sh.opt_state)
+    rng = jax.random.key_data(jax.random.key(seed))
+    state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, rng=rng, critic=critic)
+    return jax.device_put(state, sh)
+
+
+def abstract_train_state(programs: Programs, params) -> TrainState:
+    """The train state's shapes, dtypes and shardings, without computing it (what `resume` fills)."""
+    abstract = jax.eval_shape(functools.partial(init_train_state, programs, seed=0), params)
+    return sharding_lib.abstract(abstract, programs.state_shardings)

@@ -1,0 +1,151 @@
+"""The main job, `train_and_evaluate`: a run in its workdir. It builds the run's pieces (the policy,
+its programs, the sampler and rollout), warm-starts, then loops `train.rl_iteration` with evaluation,
+logging and checkpoints, resuming from the workdir's latest good checkpoint and stopping cleanly on
+SIGTERM / SIGINT."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import math
+import signal
+import time
+from pathlib import Path
+
+import jax
+import ml_collections
+
+from gspo_jax import compiles, multihost, plots
+from gspo_jax import config as config_lib
+from gspo_jax import model as model_lib
+from gspo_jax import programs as programs_lib
+from gspo_jax import sharding as sharding_lib
+from gspo_jax import train as train_lib
+from gspo_jax import workdir as workdir_lib
+from gspo_jax.checkpoint import Checkpointer, PreemptionGuard, resume
+from gspo_jax.compiles import CompileCounter
+from gspo_jax.evaluate import evaluate
+from gspo_jax.progress import Progress
+from gspo_jax.rollout import Rollout
+from gspo_jax.sampler import Sampler
+from gspo_jax.tasks import load_tokenizer, prompt_iterator
+from gspo_jax.validation import ConfigError
+from gspo_jax.warm_start import cache_key, warm_start
+from gspo_jax.writers import MetricWriter
+
+
+class StoppedEarly(Exception):
+    """The run stopped at an iteration boundary on SIGTERM or SIGINT, after saving a checkpoint;
+    running it again resumes there. `scripts/train.py` exits with `EXIT_STOPPED` for it."""
+
+    def __init__(self, signum: int, iteration: int):
+        self.signum, self.iteration = signum, iteration
+        name = signal.Signals(signum).name
+        super().__init__(f"stopped by {name} after iteration {iteration}; checkpoint saved, rerun to resume")
+
+
+def train_and_evaluate(
+    config: ml_collections.ConfigDict,
+    workdir: str | Path,
+    *,
+    progress: bool = True,
+    log_every: int = 1,
+    allow_config_change: bool = False,
+) -> dict[str, float]:
+    """The main job: warm start, then RL iterations with evaluation, logging and checkpoints, resuming
+    from the workdir's latest good checkpoint. One run per workdir (a lock), and only with the config
+    the workdir was started with (`workdir.RESUMABLE_KEYS` aside) unless `allow_config_change`.
+    SIGTERM / SIGINT save a checkpoint at the next iteration boundary and raise `StoppedEarly`.
+    Progress goes to stderr: a bar on a terminal, else one line every `log_every` iterations.
+    With several processes (`multihost.initialize`) every process calls this with the same arguments;
+    the mesh must span every process's devices. Returns the last iteration's metrics ({} when nothing
+    was left to do)."""
+    workdir, built = Path(workdir), config_lib.build(config)
+    is_main = jax.process_index() == 0
+    mesh_size = math.prod(sharding_lib.mesh_from_config(**built.mesh.axes()).devices.shape)
+    if jax.process_count() > 1 and mesh_size != jax.device_count():
+        raise ConfigError(
+            f"config.mesh: {built.mesh.axes()} covers {mesh_size} of the {jax.device_count()} devices of "
+            f"{jax.process_count()} processes; a multi-process mesh must use them all (set one axis to -1)"
+        )
+    changes = workdir_lib.check_config(workdir, config, allow_change=allow_config_change)  # reads only
+    try:
+        workdir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"workdir {str(workdir)!r} cannot be created: {e.strerror}") from None
+    with workdir_lib.Lock(workdir) if is_main else contextlib.nullcontext():
+        if is_main:
+            workdir_lib.record_config(workdir, config, changes)
+        return _run(built, cache_key(config), workdir, progress=progress, log_every=log_every)
+
+
+def make_rollout(built: config_lib.Built, graphdef, params, mesh: jax.sharding.Mesh) -> Rollout:
+    """The run's sampler, at the rollout's precision when it has its own, and the rollout around it."""
+    sampler_graphdef, sampler_model = graphdef, built.model
+    if built.rollout.dtype:  # the same weights, computed at the sampler's precision
+        sampler_model = dataclasses.replace(built.model, dtype=built.rollout.dtype)
+        sampler_graphdef = model_lib.abstract_model(sampler_model)[0]
+    sampler = Sampler(
+        sampler_graphdef,
+        sampler_model,
+        built.batch_size,
+        built.sampler.prompt_len,
+        built.sampler.max_new_tokens,
+        mesh=mesh,
+        state=params,
+        threads=built.rollout.threads(mesh.devices.size),
+        compiler_options=compiles.step_options(built.cpu_fast_compile),
+    )
+    return Rollout(sampler, built.task, load_tokenizer(built.tokenizer_path or None), built.rollout)
+
+
+def _run(
+    built: config_lib.Built, warm_start_key: str, workdir: Path, *, progress: bool, log_every: int
+) -> dict[str, float]:
+    t, is_main = built.train, jax.process_index() == 0
+    mesh = sharding_lib.mesh_from_config(**built.mesh.axes())
+    sharding_lib.warn_idle_devices(mesh)  # after every refusal: a refused run still prints one line
+    graphdef, params = programs_lib.init_policy(built, mesh)
+    programs = programs_lib.compile_programs(built, graphdef, params, mesh)
+    programs = programs_lib.compile_in_background(programs, built, params)
+    rollout = make_rollout(built, graphdef, params, mesh)
+    evaluation = functools.partial(evaluate, rollout, seed=built.seed + 1, num_batches=t.eval_batches)
+    prompts = prompt_iterator(built.task, seed=built.seed, split="train")
+    ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=t.keep_checkpoints, save_every=t.checkpoint_every)
+    with ckpt, MetricWriter(workdir) as writer, PreemptionGuard(sigint=True) as guard:
+        restored = resume(ckpt, programs_lib.abstract_train_state(programs, params), prompts)  # before any work
+        params, warm_start_info = warm_start(
+            built, warm_start_key, graphdef, params, mesh=mesh, rollout=rollout, workdir=workdir
+        )
+        kl_reward = built.critic is not None and built.critic.kl_reward_coef > 0
+        ref_params = params if built.loss.kl_coef > 0 or kl_reward else None
+        start, state = restored or (0, programs_lib.init_train_state(programs, params, built.seed))
+        if is_main:  # rows past the restored step were logged by work the resumed run redoes
+            workdir_lib.drop_rows_after(workdir, start if restored else -1)
+        if not restored:
+            writer.write(0, {**evaluation(state.params), **{k: float(v) for k, v in warm_start_info.items()}})
+        last: dict[str, float] = {}
+        bar = Progress(t.num_iterations, start, built.algorithm, every=log_every, enabled=progress)
+        for it in range(start, t.num_iterations):
+            counter = CompileCounter()  # logged as xla_compiles: 0 after the first iteration
+            state, metrics = train_lib.rl_iteration(programs, rollout, t, state, prompts, it, ref_params)
+            t0 = time.perf_counter()
+            if (it + 1) % t.eval_every == 0 or it + 1 == t.num_iterations:
+                metrics.update(evaluation(state.params), eval_seconds=time.perf_counter() - t0)
+            metrics["xla_compiles"] = float(counter.count)
+            if (loads := metrics.pop("expert_loads", None)) is not None:
+                writer.write_routing(it + 1, loads)
+            writer.write(it + 1, metrics)  # before the save: a step is never checkpointed without its row
+            last = metrics
+            meta = dict(iteration=it, prompts=prompts.state())
+            stop = multihost.any_process(guard.requested)  # a signal may reach only some hosts
+            ckpt.save(it + 1, state, meta, force=stop or it + 1 == t.num_iterations)
+            bar.update(metrics)
+            if stop and it + 1 < t.num_iterations:  # a stop during the last iteration: the run has finished
+                bar.close()
+                raise StoppedEarly(guard.signum or signal.SIGTERM, it)
+        bar.close()
+    if is_main and start < t.num_iterations:
+        plots.plot_run(workdir)
+    return last
