@@ -264,9 +264,9 @@ def test_a_run_on_a_mesh_smaller_than_the_devices_warns_naming_the_idle_ones(tmp
     def stop(*args, **kwargs):
         raise Stop
 
-    monkeypatch.setattr(train, "init_policy", stop)  # the run stops right after building its mesh
+    monkeypatch.setattr(programs_lib, "init_policy", stop)  # the run stops right after building its mesh
     with pytest.raises(Stop):
-        train.train_and_evaluate(base_config("gspo", "tiny"), tmp_path, progress=False)  # a mesh of 1 of 8
+        run_lib.train_and_evaluate(base_config("gspo", "tiny"), tmp_path, progress=False)  # a mesh of 1 of 8
     [warning] = [r.getMessage() for r in caplog.records if r.name == "gspo_jax.sharding"]
     assert "uses 1 of this process's 8 devices; idle: cpu:1, cpu:2, cpu:3, cpu:4, cpu:5, cpu:6, cpu:7" in warning
 
