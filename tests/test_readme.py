@@ -73,7 +73,9 @@ def problems(command: str) -> list[str]:
     tokens = shlex.split(command, comments=True)
     found, config = [], None
     scripts = [t for t in tokens if t.startswith("scripts/")]
-    scripts += [t.replace(".", "/") + ".py" for t, m in zip(tokens[1:], tokens) if m == "-m"]
+    for module in (t.replace(".", "/") for t, m in zip(tokens[1:], tokens) if m == "-m"):
+        package = f"{module}/__main__.py"  # `python -m pkg` runs the package's __main__
+        scripts.append(package if (REPO / package).is_file() else f"{module}.py")
     if not scripts:
         return [f"no scripts/... in {command!r}"]
     if not (REPO / scripts[0]).is_file():
