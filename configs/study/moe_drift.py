@@ -12,8 +12,10 @@ How the numbers were chosen (GRPO/GSPO, seed 0, 16 prompts × 8, measured on 2 C
 - 2 minibatches at lr 3e-4 (32 prompts, the default size): ~2% of slots per iteration.
 - 4 minibatches at lr 3e-4: 3.8%; 8 minibatches: 6.2%.
 - 8 minibatches at lr 5e-4 (cosine decay): ~10% for the first iterations, 2% once the rate had decayed.
-- 8 minibatches at a constant lr 4e-4 (this config): 9-10% per iteration throughout; held-out
-  accuracy fell from 33% to 8-19% within 20 iterations for both GRPO and GSPO (seed 0).
+- 8 minibatches at a constant lr 4e-4 (this config): 8.5-12% per iteration throughout; held-out
+  accuracy fell from 33% to 8-19% within 20 iterations for both GRPO and GSPO (seed 0) and was still
+  at 10-13% when those runs stopped (iteration 20-30). Whether any objective or replay learns here is
+  what configs/sweeps/objectives_replay.py asks; docs/RESULTS.md has the numbers.
 Eight updates per rollout is what makes the later minibatches off-policy, which is where clipping and
 importance weights act; the constant rate keeps the drift from fading as the run goes on. The bf16
 sampler flips about 1.2% of router choices against the float32 trainer (`mismatch_router_flip_rate`),
