@@ -1,4 +1,4 @@
-"""Where a compiled program's time goes on this CPU, per XLA op: the tool behind the README's
+"""Where a compiled program's time goes on this CPU, per XLA op: the tool behind docs/BENCHMARKS.md's
 profiling notes, so a change can be profiled before and after the same way.
 
     python -m benchmarks.profile                                  # the train step, `iteration` shape

@@ -181,7 +181,7 @@ def compile_report(config, topology: str, programs: tuple[str, ...] = PROGRAMS) 
 
 
 def format_report(rows: list[Row], topology: str, microbatches: int, remat: str) -> str:
-    """A Markdown table, one row per program (the README's format)."""
+    """A Markdown table, one row per program (the format of docs/BENCHMARKS.md)."""
     gib = lambda b: f"{b / GIB:.2f}"
     lines = [
         "| topology | mesh | program | shape | micro-batches | remat | args GiB | out GiB | temp GiB | total GiB "

@@ -156,7 +156,7 @@ def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigD
 
     if size == "default":
         # Drift (two forwards of the batch) on every 4th sequence keeps the instruments well under 15% of
-        # an iteration (README, Benchmarks); training is unaffected.
+        # an iteration (docs/BENCHMARKS.md); training is unaffected.
         c.train.drift_subsample = 4
         # 32 prompts × 8 per iteration at lr 3e-4, 200 iterations: held-out accuracy dips for the first
         # ~40 iterations, then climbs (seed 0: 35% -> 80% by iteration 200 for GRPO, 71% by 230 for GSPO;
@@ -174,7 +174,7 @@ def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigD
         c.prompt_len, c.max_new_tokens = 512, 1024
         c.rollout.update(num_groups=64, group_size=8)
         c.train.update(num_iterations=500, minibatches=4, learning_rate=1e-6, warmup_steps=10)
-        # What makes it fit a v5p-64 slice (README, "Scale"): layers rematerialised, the LM head and
+        # What makes it fit a v5p-64 slice (docs/BENCHMARKS.md, "Scale"): layers rematerialised, the LM head and
         # log-softmax over 512 positions at a time, scoring and prefill in 4 chunks of the batch; with
         # the batch split over all 32 chips (expert parallelism) the minibatch needs no micro-batches.
         c.model.update(remat="full", logprob_chunk=512, batch_chunks=4)
@@ -487,7 +487,7 @@ def update_microbatches(rows: int, seq_len: int, data: int, at_least: int, max_t
     most `max_tokens` tokens per device (0: no bound); the finest such split where none does.
 
     On CPU the bound is also speed: XLA maps a step's temporaries afresh for every call, and where a
-    VM's host takes freed memory back, each call faults them in again (README, Benchmarks)."""
+    VM's host takes freed memory back, each call faults them in again (docs/BENCHMARKS.md)."""
     counts = [m for m in range(at_least, rows + 1) if rows % m == 0 and rows // m % data == 0]
     if not counts:  # no count splits the rows over the devices: `build` has refused such a config already
         return at_least

@@ -28,7 +28,7 @@ Sections:
              compiled-step memory, and whole iterations of PPO against GRPO and GSPO
 
 It ends with a table of the targets whose sections ran: each figure, its target, and whether this
-run met it (the README's table adds the ranges over several runs and what limits each miss).
+run met it (docs/BENCHMARKS.md's table adds the ranges over several runs and what limits each miss).
 
 Useful FLOPs are analytic (`gspo_jax/flops.py`), never XLA's cost analysis (it counts a loop body
 once): a train step is 6 × (active matmul parameters) × tokens plus attention, 12 × layers × B × T² ×

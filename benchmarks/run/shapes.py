@@ -33,7 +33,7 @@ def shape_config(shape: str, algorithm: str = "gspo") -> ml_collections.ConfigDi
         c.model.update(embed_dim=512, num_layers=8, num_heads=8, num_kv_heads=4, head_dim=64, mlp_dim=1024)
         c.model.update(num_experts=16, top_k=2, moe_mlp_dim=512)
         # A large model on CPU: XLA's default code generation (the fast-compile loops are ~3x slower
-        # over its 117 MiB expert stacks: the step 750 -> 905 ms, README).
+        # over its 117 MiB expert stacks: the step 750 -> 905 ms, docs/BENCHMARKS.md).
         c.cpu_fast_compile = False
     if shape == "iteration":
         c.model.update(embed_dim=256, num_layers=4, num_heads=4, num_kv_heads=2, head_dim=64, dense_layers=())
