@@ -145,7 +145,7 @@ def test_list_prints_names_statuses_and_commands_of_a_shard(tmp_path, capsys):
         .split("\t")[2]
         .endswith(
             f"scripts/train.py --config configs/grpo.py:tiny --workdir {tmp_path}/runs/grpo-seed=1 "
-            "--config.train.num_iterations=3 --config.seed=1"
+            f"--config.train.num_iterations=3 --config.seed=1 --config.warm_start.cache_dir={tmp_path}/warm_starts"
         )
     )
     assert not (tmp_path / "runs").exists()
