@@ -16,6 +16,10 @@ How the numbers were chosen (GRPO/GSPO, seed 0, 16 prompts × 8, measured on 2 C
   accuracy fell from 33% to 8-19% within 20 iterations for both GRPO and GSPO (seed 0) and was still
   at 10-13% when those runs stopped (iteration 20-30). Whether any objective or replay learns here is
   what configs/sweeps/objectives_replay.py asks; docs/RESULTS.md has the numbers.
+No setting found reaches this drift and still learns (configs/sweeps/regime_search.py, seed 0): above
+~5% of slots per iteration every run of this model fell 16-23 points; what learned (64 prompts per
+rollout, lr 3e-4: 34% -> 42% in 40 iterations) moved 2.4%. So this config keeps the paper's drift
+and the sweeps ask which objective and which replay lose least under it (docs/RESULTS.md).
 Eight updates per rollout is what makes the later minibatches off-policy, which is where clipping and
 importance weights act; the constant rate keeps the drift from fading as the run goes on. The bf16
 sampler flips about 1.2% of router choices against the float32 trainer (`mismatch_router_flip_rate`),

@@ -1,7 +1,7 @@
 """How the study regime was looked for: seed-0 GRPO (and GSPO) runs of configs/study/moe_drift.py with
 one thing changed each (per-update batch, learning rate, minibatches, the model's depth and expert
 count, the load-balancing loss), to find where one iteration moves ~10% of the expert slots and the
-policy still learns. 20 runs, single seed: leads, not results (docs/RESULTS.md has the table).
+policy still learns. 21 runs, single seed: leads, not results (docs/RESULTS.md has the table).
 
     python scripts/sweep.py configs/sweeps/regime_search.py --workroot results/regime_search --parallel 2
     python scripts/sweep.py configs/sweeps/regime_search.py --workroot results/regime_search --report
@@ -27,6 +27,15 @@ GENTLE = [  # what the accuracy dip at the start of RL depends on: 2 minibatches
     {"train.learning_rate": 1e-4},
     {"train.learning_rate": 3e-4, "rollout.num_groups": 64},
 ]
+COMBINED = {  # the router that drifts (16 experts, 6 layers) at the step that learns (64 prompts, lr 3e-4)
+    "model.num_layers": 6,
+    "model.num_experts": 16,
+    "rollout.num_groups": 64,
+    "train.minibatches": 2,
+    "train.learning_rate": 3e-4,
+    "train.num_iterations": 40,
+    "train.eval_every": 5,
+}
 BIG_BATCH = [  # drift at 64 prompts per rollout, 30 iterations
     {"train.minibatches": 2, "train.learning_rate": 1e-3},
     {"train.minibatches": 4, "train.learning_rate": 6e-4},
@@ -41,4 +50,4 @@ def runs():
     out += [{"algorithm": "grpo", **c, **short, "seed": 0} for c in GENTLE]
     big = {"rollout.num_groups": 64, "train.num_iterations": 30, "train.eval_every": 5}
     out += [{"algorithm": a, **c, **big, "seed": 0} for c in BIG_BATCH for a in ("grpo", "gspo")]
-    return out
+    return [*out, {"algorithm": "grpo", **COMBINED, "seed": 0}]
