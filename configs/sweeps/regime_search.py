@@ -1,7 +1,7 @@
 """How the study regime was looked for: seed-0 GRPO (and GSPO) runs of configs/study/moe_drift.py with
 one thing changed each (per-update batch, learning rate, minibatches, the model's depth and expert
 count, the load-balancing loss), to find where one iteration moves ~10% of the expert slots and the
-policy still learns. 21 runs, single seed: leads, not results (docs/RESULTS.md has the table).
+policy still learns. 22 runs, single seed: leads, not results (docs/RESULTS.md has the table).
 
     python scripts/sweep.py configs/sweeps/regime_search.py --workroot results/regime_search --parallel 2
     python scripts/sweep.py configs/sweeps/regime_search.py --workroot results/regime_search --report
@@ -50,4 +50,5 @@ def runs():
     out += [{"algorithm": "grpo", **c, **short, "seed": 0} for c in GENTLE]
     big = {"rollout.num_groups": 64, "train.num_iterations": 30, "train.eval_every": 5}
     out += [{"algorithm": a, **c, **big, "seed": 0} for c in BIG_BATCH for a in ("grpo", "gspo")]
-    return [*out, {"algorithm": "grpo", **COMBINED, "seed": 0}]
+    out.append({"algorithm": "grpo", **COMBINED, "seed": 0})
+    return [*out, {"algorithm": "grpo", **COMBINED, "train.minibatches": 4, "seed": 0}]  # the same, 2x the steps
