@@ -13,7 +13,9 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+import matplotlib
 import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
@@ -230,25 +232,62 @@ def _band(results: Sequence[RunResult], key: str) -> tuple[np.ndarray, np.ndarra
     )
 
 
+LINESTYLES = ("-", "--", ":", "-.")
+
+
+def _styles(arms: Sequence[str]) -> dict[str, dict[str, Any]]:
+    """Each arm's line: its colour from its algorithm (the name's first part), its line style from the
+    rest (e.g. `replay=R3`), so 27 arms read as 9 colours × 3 styles rather than cycling 10 colours."""
+    heads = list(dict.fromkeys(a.split("-", 1)[0] for a in arms))
+    rests = list(dict.fromkeys(a.partition("-")[2] for a in arms))
+    if len(rests) > len(LINESTYLES):  # too many variants for line styles: one colour per arm
+        heads, rests = list(arms), [""]
+    cmap = matplotlib.colormaps["tab10" if len(heads) <= 10 else "tab20"]
+    style = {}
+    for a in arms:
+        head, rest = (a, "") if rests == [""] else (a.split("-", 1)[0], a.partition("-")[2])
+        style[a] = dict(color=cmap(heads.index(head) % cmap.N), linestyle=LINESTYLES[rests.index(rest)])
+    return style
+
+
+def _legend(fig: Figure, axes: Sequence[Any], n: int) -> None:
+    """A legend per panel for a few arms; for many, one beside the panels, so no curve is hidden."""
+    if n <= 6:
+        for ax in axes:
+            if ax.get_visible() and ax.has_data():
+                ax.legend(fontsize="small")
+        return
+    handles, labels = next((ax.get_legend_handles_labels() for ax in axes if ax.has_data()), ([], []))
+    fig.legend(handles, labels, loc="outside right upper", fontsize="small", ncols=math.ceil(n / 30))
+
+
+def _figure(panels: int, arms: int) -> tuple[Figure, np.ndarray]:
+    """A figure of `panels` panels, two to a row, widened for a legend beside them when arms are many."""
+    cols, rows = min(panels, 2), math.ceil(panels / 2)
+    extra = 0.0 if arms <= 6 else 3.2 * math.ceil(arms / 30)
+    fig = Figure(figsize=(6.4 * cols + extra, max(4.0 * rows, 0.2 * min(arms, 30) + 1.0)), layout="constrained")
+    return fig, fig.subplots(rows, cols, squeeze=False).ravel()
+
+
 def _curves(arms: Mapping[str, list[RunResult]], keys: Sequence[str], title: str, ylabel: str) -> Figure | None:
     """One panel per key with data: each arm's mean curve over its seeds, their range as a band."""
     keys = [k for k in keys if any(r.values(k) for rs in arms.values() for r in rs)]
     if not keys:
         return None
-    fig = Figure(figsize=(6.4 * min(len(keys), 2), 4.0 * math.ceil(len(keys) / 2)), layout="constrained")
-    axes = fig.subplots(math.ceil(len(keys) / 2), min(len(keys), 2), squeeze=False).ravel()
+    fig, axes = _figure(len(keys), len(arms))
+    style = _styles(list(arms))
     for ax, key in zip(axes, keys, strict=False):
-        for i, (arm, rs) in enumerate(arms.items()):
+        for arm, rs in arms.items():
             steps, mean, low, high = _band(rs, key)
             if len(steps):
-                ax.plot(steps, mean, color=f"C{i}", label=arm, marker="." if len(steps) < 30 else None)
-                ax.fill_between(steps, low, high, color=f"C{i}", alpha=0.2, linewidth=0)
+                ax.plot(steps, mean, **style[arm], label=arm, marker="." if len(steps) < 30 else None)
+                ax.fill_between(steps, low, high, color=style[arm]["color"], alpha=0.2 if len(arms) <= 6 else 0.06)
         ax.set(title=key, xlabel="step", ylabel=ylabel)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
     for ax in axes[len(keys) :]:
         ax.set_visible(False)
+    _legend(fig, axes, len(arms))
     fig.suptitle(title)
     return fig
 
@@ -263,19 +302,19 @@ def _per_layer(arms: Mapping[str, list[RunResult]]) -> Figure | None:
                     families.setdefault(m[1], set()).add(int(m[2]))
     if not families:
         return None
-    fig = Figure(figsize=(6.4 * min(len(families), 2), 4.0 * math.ceil(len(families) / 2)), layout="constrained")
-    axes = fig.subplots(math.ceil(len(families) / 2), min(len(families), 2), squeeze=False).ravel()
+    fig, axes = _figure(len(families), len(arms))
+    style = _styles(list(arms))
     for ax, (family, layers) in zip(axes, sorted(families.items()), strict=False):
         layers = sorted(layers)
-        for i, (arm, rs) in enumerate(arms.items()):
+        for arm, rs in arms.items():
             means = [[m for r in rs if (m := r.mean(f"{family}_layer{j}")) is not None] for j in layers]
             ys = [np.mean(m) if m else np.nan for m in means]
-            ax.plot(layers, ys, color=f"C{i}", marker="o", label=arm)
+            ax.plot(layers, ys, **style[arm], marker="o", label=arm)
         ax.set(title=family, xlabel="MoE layer", ylabel="mean over steps", xticks=layers)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize="small")
     for ax in axes[len(families) :]:
         ax.set_visible(False)
+    _legend(fig, axes, len(arms))
     fig.suptitle("Routing drift per layer (π_θ vs π_old)")
     return fig
 

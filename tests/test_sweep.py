@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from gspo_jax import sweeps, workdir
+from gspo_jax import sweep_report, sweeps, workdir
 from gspo_jax.sweep_runner import Runner, SweepLock, cpu_slots
 from gspo_jax.workdir import Lock, WorkdirBusy
 
@@ -332,3 +332,19 @@ def test_every_shipped_sweep_loads_and_each_arm_builds(name):
             assert last in node, f"{name}: {run.name}: no such config key {key}"
             node[last] = value
         config_lib.build(c, device_count=1)
+
+
+def test_report_figures_colour_arms_by_algorithm_and_style_them_by_the_rest():
+    """27 arms (9 objectives × 3 replays) must not cycle 10 colours: an algorithm keeps its colour,
+    a replay setting its line style, and no two arms look alike."""
+    arms = [f"{a}-replay={r}" for r in ("none", "R2", "R3") for a in ("grpo", "gspo", "ppo")]
+    style = sweep_report._styles(arms)
+    assert style["grpo-replay=none"]["color"] == style["grpo-replay=R3"]["color"] != style["gspo-replay=R3"]["color"]
+    assert (
+        style["grpo-replay=R2"]["linestyle"]
+        == style["ppo-replay=R2"]["linestyle"]
+        != style["ppo-replay=R3"]["linestyle"]
+    )
+    assert len({(s["color"], s["linestyle"]) for s in style.values()}) == len(arms)
+    many = [f"grpo-lr={i}" for i in range(12)]  # more variants than line styles: a colour each
+    assert len({s["color"] for s in sweep_report._styles(many).values()}) == 12
