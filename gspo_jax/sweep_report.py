@@ -281,7 +281,9 @@ def _curves(arms: Mapping[str, list[RunResult]], keys: Sequence[str], title: str
             steps, mean, low, high = _band(rs, key)
             if len(steps):
                 ax.plot(steps, mean, **style[arm], label=arm, marker="." if len(steps) < 30 else None)
-                ax.fill_between(steps, low, high, color=style[arm]["color"], alpha=0.2 if len(arms) <= 6 else 0.06)
+                ax.fill_between(
+                    steps, low, high, color=style[arm]["color"], alpha=0.2 if len(arms) <= 6 else 0.06, linewidth=0
+                )
         ax.set(title=key, xlabel="step", ylabel=ylabel)
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
