@@ -50,6 +50,8 @@ def critic_cost(tiny: bool, repeats: int) -> dict:
     GAE estimate) against the policy's scoring forward of the same batch, its memory (parameters,
     AdamW moments, the compiled step's temporaries), and whole iterations against the critic-free runs."""
     c = shape_config("tiny" if tiny else "default", "ppo")
+    if tiny:  # the PPO run's length below: its programs are then these, loaded from the compilation cache
+        c.train.num_iterations = 6
     built, _, params, programs = pieces(c)
     B = built.rollout.num_groups * built.rollout.group_size
     mb = B // c.train.minibatches
@@ -95,7 +97,9 @@ def critic_cost(tiny: bool, repeats: int) -> dict:
     runs = {}
     for algorithm in ("ppo", "grpo", "gspo"):
         run = shape_config("tiny" if tiny else "default", algorithm)
-        run.train.update(num_iterations=4 if tiny else 12, eval_every=1000, checkpoint_every=1000)
+        # tiny: 6 iterations as the scaling and diagnostics runs, whose compiled GSPO programs (the
+        # schedule's length is in them) the persistent compilation cache then serves.
+        run.train.update(num_iterations=6 if tiny else 12, eval_every=1000, checkpoint_every=1000)
         runs[algorithm] = median_iteration(run)
     out["iterations"] = runs
     per_iteration = out["updates_per_iteration"] * (
