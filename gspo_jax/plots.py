@@ -13,10 +13,12 @@ import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-
-from matplotlib.figure import Figure
+from typing import TYPE_CHECKING
 
 from gspo_jax.writers import read_metrics
+
+if TYPE_CHECKING:
+    from matplotlib.figure import Figure
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +100,8 @@ def _has_data(line: tuple[list, list]) -> bool:
 
 
 def _line_figure(lines: Mapping[str, tuple[list, list]], title: str, ylabel: str, log_when_wide: bool) -> Figure:
+    from matplotlib.figure import Figure  # here: matplotlib costs every run's start ~1 s, plots only its end
+
     fig = Figure(figsize=(6.4, 4.0), layout="constrained")
     ax = fig.subplots()
     for label, (steps, values) in lines.items():
