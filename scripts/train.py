@@ -64,9 +64,10 @@ _NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "How many processes
 _PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index (implies --multihost).")
 _COMPILATION_CACHE = flags.DEFINE_string(
     "compilation_cache",
-    str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gspo_jax" / "xla"),
+    os.environ.get("JAX_COMPILATION_CACHE_DIR")
+    or str(Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "gspo_jax" / "xla"),
     "Keep compiled programs here, so a rerun or the next run of a sweep loads them instead of compiling "
-    "(JAX's persistent compilation cache); '' turns it off.",
+    "(JAX's persistent compilation cache; default: $JAX_COMPILATION_CACHE_DIR if set); '' turns it off.",
 )
 _ALLOW_CONFIG_CHANGE = flags.DEFINE_boolean(
     "allow_config_change", False, "Continue a workdir with a config that differs from the one it was started with."

@@ -538,13 +538,14 @@ def test_cli_keeps_compiled_programs_in_the_compilation_cache(tmp_path):
     assert r.returncode == 0, r.stderr[-2000:]
     entries = set(cache.iterdir())
     assert len(entries) > 5  # the train step, sampler, drift ... and the eager ops they run
-    r = run_cli(*args, "--workdir", str(tmp_path / "b"), f"--compilation_cache={cache}")
+    # No flag: JAX's own variable names the default.
+    r = run_cli(*args, "--workdir", str(tmp_path / "b"), env={"JAX_COMPILATION_CACHE_DIR": str(cache)})
     assert r.returncode == 0, r.stderr[-2000:]
     assert set(cache.iterdir()) == entries  # the same programs: every one was loaded, none compiled anew
 
 
-def run_cli(*args, cwd=ROOT):
-    env = {**os.environ, "JAX_PLATFORMS": "cpu"}
+def run_cli(*args, cwd=ROOT, env=None):
+    env = {**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}
     env.pop("XLA_FLAGS", None)
     return subprocess.run(
         [sys.executable, "scripts/train.py", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
