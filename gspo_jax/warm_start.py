@@ -88,6 +88,14 @@ def warm_start(
     return params, info
 
 
+def demonstration_ids(ids: list[int], eos: int, budget: int) -> list[int]:
+    """A demonstration's tokens then EOS, cut to the completion budget. One that does not fit is cut
+    without an EOS, as the sampler cuts a completion: the policy learns that such answers run past the
+    budget (truncated in rollouts, where overlong filtering and shaping act), not that a cut answer is
+    complete."""
+    return (list(ids) + [eos])[:budget]
+
+
 def train_on_demonstrations(
     built: config_lib.Built, graphdef, params, *, mesh, rollout: Rollout
 ) -> tuple[Any, dict[str, float]]:
@@ -115,7 +123,7 @@ def train_on_demonstrations(
         comp_BC = np.zeros((w.batch_size, C), np.int32)
         cmask_BC = np.zeros((w.batch_size, C), bool)
         for i, e in enumerate(examples):
-            ids = tokenizer.encode(task.demonstration(e), add_special_tokens=False)[: C - 1] + [eos]
+            ids = demonstration_ids(tokenizer.encode(task.demonstration(e), add_special_tokens=False), eos, C)
             comp_BC[i, : len(ids)], cmask_BC[i, : len(ids)] = ids, True
         tokens_BT = np.concatenate([prompt_BP, comp_BC], 1)
         pm_BT = np.concatenate([pmask_BP, np.zeros_like(cmask_BC)], 1)

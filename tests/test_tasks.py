@@ -44,6 +44,7 @@ from gspo_jax.tasks import (
 )
 from gspo_jax.tasks.prompts import in_holdout
 from gspo_jax.tasks.tokenizer import write_tokenizer_files
+from gspo_jax.warm_start import demonstration_ids
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -283,6 +284,14 @@ def test_default_lengths_fit_a_tiny_model(name):
     examples = examples_of(task, 2000)
     assert max(len(e.prompt) for e in examples) < 48
     assert max(len(task.demonstration(e)) for e in examples) < 40
+
+
+def test_a_warm_start_target_past_the_budget_is_cut_without_eos():
+    """EOS only where the whole demonstration fits: a cut answer is never taught as complete, so the
+    warm-started policy runs past the budget where its demonstrations did (and is truncated there)."""
+    assert demonstration_ids([5, 6, 7], eos=1, budget=4) == [5, 6, 7, 1]
+    assert demonstration_ids([5, 6, 7], eos=1, budget=3) == [5, 6, 7]  # fits, its EOS does not
+    assert demonstration_ids([5, 6, 7, 8, 9], eos=1, budget=3) == [5, 6, 7]
 
 
 # --- tokenizer ---------------------------------------------------------------------------------
