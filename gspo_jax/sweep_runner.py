@@ -142,7 +142,11 @@ class Runner:
         for slot in range(self.parallel):
             if slot in self.children:
                 continue
-            run = next((r for r in self.pending if not self._busy(r)), None)
+            # Another arm than those running first: runs of one arm (seeds) compile the same programs,
+            # and one started after its arm's first loads them from the compilation cache.
+            running = {c.run.arm for c in self.children.values()}
+            other_arm = (r for r in self.pending if r.arm not in running and not self._busy(r))
+            run = next(other_arm, None) or next((r for r in self.pending if not self._busy(r)), None)
             if run is None:
                 return  # nothing, or only runs that a process left by an earlier sweep holds: next tick
             self.pending.remove(run)

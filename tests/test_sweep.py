@@ -254,6 +254,26 @@ def test_a_failed_run_is_recorded_with_its_log_and_the_others_finish(tmp_path):
     assert "fake-seed=2: finished with other" not in out.read_text()
 
 
+def test_runs_of_another_arm_start_first(tmp_path):
+    """Listed arm by arm, seeds fastest, the runs start one per arm: two seeds of an arm started together
+    would compile the same programs twice."""
+    repo, root = tmp_path / "repo", tmp_path / "root"
+    (repo / "scripts").mkdir(parents=True)
+    (repo / "configs").mkdir()
+    (repo / "configs" / "fake.py").write_text("")
+    (repo / "scripts" / "train.py").write_text(textwrap.dedent(FAKE_TRAIN))
+    (repo / "s.py").write_text(
+        "BASE = 'configs/fake.py'\ndef runs(): return [{'x': x, 'seed': s} for x in (1, 2) for s in (0, 2)]\n"
+    )
+    sweep = sweeps.load_sweep(repo / "s.py", repo)
+    out = tmp_path / "progress.txt"
+    with open(out, "w") as f:
+        assert Runner(sweep.runs, root, repo, parallel=2, out=f).run() == 0
+    started = [x.split("started ")[1].split()[0] for x in out.read_text().splitlines() if "started " in x]
+    assert started[:2] == ["fake-x=1-seed=0", "fake-x=2-seed=0"]
+    assert sorted(started) == sorted(r.name for r in sweep.runs)
+
+
 # ------------------------------------------------------------------ the tiny sweep, end to end
 
 
