@@ -4,6 +4,7 @@ import collections
 import dataclasses
 import hashlib
 import json
+import re
 import subprocess
 import sys
 import threading
@@ -53,6 +54,7 @@ TASK_CONFIGS = [
     ("arithmetic", {}),
     ("arithmetic", {"digits": 1, "operands": 4}),
     ("arithmetic", {"digits": 6, "operands": 3, "ops": "*-"}),
+    ("arithmetic", {"digits": 2, "operands": 4, "working": 0.5}),
     ("countdown", {}),
     ("countdown", {"count": 4, "max_number": 50, "target_max": 500}),
     ("countdown", {"count": 4, "allow_division": True, "use_all": True}),
@@ -159,6 +161,48 @@ def test_arithmetic_sample_is_consistent():
         assert values == list(example.meta["operands"])
         assert all(10 <= v <= 99 for v in values)
         assert int(example.answer) == expressions.evaluate(expressions.parse(text))
+
+
+@pytest.mark.parametrize(
+    "operands, ops, demonstration",
+    [
+        ((8, 6, 5), ("+", "+"), "8+6=14\n14+5=19\n#### 19"),
+        ((2, 3, 4), ("+", "*"), "3*4=12\n2+12=14\n#### 14"),  # the product first
+        ((10, 3, 4), ("-", "*"), "3*4=12\n10-12=-2\n#### -2"),
+        ((9, 5, 7), ("-", "-"), "9-5=4\n4-7=-3\n#### -3"),  # left to right
+        ((2, 3, 4, 5), ("*", "+", "*"), "2*3=6\n4*5=20\n6+20=26\n#### 26"),
+    ],
+)
+def test_arithmetic_working(operands, ops, demonstration):
+    text = str(operands[0]) + "".join(op + str(v) for op, v in zip(ops, operands[1:], strict=True))
+    example = Example(
+        prompt=f"What is {text}?\n", answer=demonstration.rsplit(" ", 1)[1], meta={"operands": operands, "ops": ops}
+    )
+    assert ArithmeticTask(working=1.0).demonstration(example) == demonstration
+    assert ArithmeticTask().demonstration(example) == "#### " + example.answer
+    assert ArithmeticTask(working=1.0).reward(demonstration, example) == 1.0
+
+
+def test_arithmetic_working_adds_up():
+    task = ArithmeticTask(digits=2, operands=5, working=1.0)
+    for example in examples_of(task, 200):
+        *steps, answer = task.demonstration(example).split("\n")
+        assert len(steps) == task.operands - 1 and answer == "#### " + example.answer
+        for step in steps:  # an intermediate value may be negative: "3-12=-9", then "-9+4=-5"
+            a, op, b, value = re.fullmatch(r"(-?\d+)([-+*])(-?\d+)=(-?\d+)", step).groups()
+            assert {"+": int(a) + int(b), "-": int(a) - int(b), "*": int(a) * int(b)}[op] == int(value)
+        assert steps[-1].endswith("=" + example.answer)
+
+
+def test_arithmetic_working_share():
+    """A share of the prompts, fixed per prompt, show their working; 0 and 1 mean none and all."""
+    examples = examples_of(ArithmeticTask(digits=3), 1000)
+    shown = lambda share: [ArithmeticTask(digits=3, working=share).demonstration(e).count("\n") > 0 for e in examples]
+    assert not any(shown(0.0)) and all(shown(1.0))
+    quarter, half = np.array(shown(0.25)), np.array(shown(0.5))
+    assert 0.2 < quarter.mean() < 0.3 and 0.45 < half.mean() < 0.55
+    assert np.all(half[quarter])  # the prompts shown at 1/4 are shown at 1/2 too
+    assert shown(0.5) == list(half)  # fixed per prompt
 
 
 def test_format_reward():
@@ -650,6 +694,8 @@ def test_make_task_unknown_name():
         ("arithmetic", {"operands": 1}, "operands"),
         ("arithmetic", {"ops": "+/"}, "ops"),
         ("arithmetic", {"ops": ""}, "ops"),
+        ("arithmetic", {"working": 1.5}, "working"),
+        ("arithmetic", {"working": True}, "working"),
         ("arithmetic", {"format_reward": 1.5}, "format_reward"),
         ("countdown", {"count": 9}, "count"),
         ("countdown", {"max_number": True}, "max_number"),
@@ -727,7 +773,7 @@ def test_missing_key_names_what_the_section_holds():
     assert config_lib.missing_key(c, "task.gsm8k.path") is None
     assert config_lib.missing_key(c, "task.arithmetic.foo") == (
         "no such config key: task.arithmetic.foo; task 'arithmetic' has the fields: "
-        "format_reward, holdout, digits, operands, ops"
+        "format_reward, holdout, digits, operands, ops, working"
     )
     assert "e.g. config.task.arithmetic.digits" in config_lib.missing_key(c, "task.digits")
     assert "config.seed is a value" in config_lib.missing_key(c, "seed.x")
