@@ -1,8 +1,8 @@
 """Several processes, one run: `scripts/train.py --multihost` as 2 processes × 4 CPU devices (JAX's
-multi-controller runtime, gloo over loopback) gives the metrics of 1 process × 8 devices, and a pair
-killed mid-run resumes to the metrics of an uninterrupted pair. The runs are PPO's: the policy's
-update and everything a critic-free run has, plus the critic's values, GAE (host rewards put on the
-global mesh) and the critic's update and checkpoint."""
+multi-controller runtime, gloo over loopback), killed mid-run and rerun, resumes to the metrics of 1
+process × 8 devices. The runs are PPO's: the policy's update and everything a critic-free run has,
+plus the critic's values, GAE (host rewards put on the global mesh) and the critic's update and
+checkpoint."""
 
 from __future__ import annotations
 
@@ -179,33 +179,12 @@ def test_helpers_across_two_processes(tmp_path):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """The uninterrupted runs: 1 process × 8 devices, and 2 processes × 4 devices."""
+    """1 process × 8 devices run to the end, and 2 processes × 4 devices killed once checkpoint 1 is
+    committed, then rerun to the end (one pair does both jobs: the two processes' run, and its resume)."""
     root = tmp_path_factory.mktemp("multihost")
     cache = root / "xla_cache"
-    return root, cache, run_to_end(root / "one", 1, 8, cache), run_to_end(root / "two", 2, 4, cache)
-
-
-def test_two_processes_equal_one(runs):
-    _, _, one, two = runs
-    assert_same_rows(two, one, rtol=1e-4)
-    assert one[-1]["drift_jaccard"] < 1.0  # the policy moved: the comparison covers a real update
-    assert one[-1]["critic_grad_norm"] > 0 and "explained_variance" in one[-1]  # the critic ran and trained
-
-
-def test_only_process_zero_writes_and_every_process_logs(runs):
-    root, _, _, _ = runs
-    lines = [json.loads(x) for x in (root / "two" / "metrics.jsonl").read_text().splitlines()]
-    assert len(lines) == ITERATIONS + 1  # one row per step: process 1 wrote none
-    for i in range(2):
-        log = (root / f"two.process{i}.log").read_text()
-        progress = [x for x in log.splitlines() if x.startswith(f"[process {i}] ppo ")]
-        assert [x.split()[3] for x in progress] == [f"{n}/{ITERATIONS}" for n in range(1, ITERATIONS + 1)], log[-2000:]
-        assert "\r" not in log  # no progress bar in a log file
-
-
-def test_killed_processes_resume_to_the_uninterrupted_metrics(runs):
-    root, cache, _, two = runs
-    workdir = root / "killed"
+    one = run_to_end(root / "one", 1, 8, cache)
+    workdir = root / "two"
     run = Run(workdir, 2, 4, cache)
     try:
         marker = workdir / "checkpoints" / "1" / "commit_success.txt"
@@ -216,7 +195,27 @@ def test_killed_processes_resume_to_the_uninterrupted_metrics(runs):
             time.sleep(0.05)
     finally:
         run.kill()
-    assert all(p.returncode == -signal.SIGKILL for p in run.procs), [p.returncode for p in run.procs]
-    done = len((workdir / "metrics.jsonl").read_text().splitlines())
+    killed = ([p.returncode for p in run.procs], len(rows(workdir)))
+    return root, one, killed, run_to_end(workdir, 2, 4, cache)
+
+
+def test_killed_processes_resume_to_the_metrics_of_one(runs):
+    """A pair killed mid-run and rerun resumes from its checkpoint to one process's metrics."""
+    _, one, (codes, done), two = runs
+    assert codes == [-signal.SIGKILL] * 2
     assert done <= ITERATIONS, "the run had finished before it was killed"
-    assert_same_rows(run_to_end(workdir, 2, 4, cache), two, rtol=1e-6)
+    assert_same_rows(two, one, rtol=1e-4)
+    assert one[-1]["drift_jaccard"] < 1.0  # the policy moved: the comparison covers a real update
+    assert one[-1]["critic_grad_norm"] > 0 and "explained_variance" in one[-1]  # the critic ran and trained
+
+
+def test_only_process_zero_writes_and_every_process_logs(runs):
+    root, _, _, _ = runs
+    lines = [json.loads(x) for x in (root / "two" / "metrics.jsonl").read_text().splitlines()]
+    assert len(lines) == ITERATIONS + 1  # one row per step: process 1 wrote none, the resume repeated none
+    for i in range(2):
+        log = (root / f"two.process{i}.log").read_text()  # both attempts' output
+        progress = [x.split()[3] for x in log.splitlines() if x.startswith(f"[process {i}] ppo ")]
+        # The killed attempt may not have printed iteration 1's line (it prints after the save).
+        assert progress in ([f"{n}/{ITERATIONS}" for n in range(1, ITERATIONS + 1)], [f"{ITERATIONS}/{ITERATIONS}"])
+        assert "\r" not in log  # no progress bar in a log file
