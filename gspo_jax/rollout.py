@@ -114,6 +114,7 @@ class Sampled(NamedTuple):
     raw: np.ndarray  # float32 [B]: the task's rewards
     lengths: np.ndarray  # int32 [B]
     truncated: np.ndarray  # bool [B]
+    texts: list[str]  # the completions of this process's rows (`Rollout.rows`), decoded
 
 
 class _Round(NamedTuple):
@@ -212,7 +213,8 @@ class Rollout:
         texts = self.decode_completions(multihost.to_local(out.tokens, rows), lengths)
         raw = np.array([self.task.reward(t, ex) for t, ex in zip(texts, mine)], np.float32)
         gather = functools.partial(multihost.gather_rows, rows=rows, n=B)
-        return Sampled(out, gather(raw), gather(lengths), gather(multihost.to_local(out.truncated, rows)))
+        truncated = gather(multihost.to_local(out.truncated, rows))
+        return Sampled(out, gather(raw), gather(lengths), truncated, texts)
 
     def _round(self, state, examples, key) -> _Round:
         cfg, G = self.cfg, self.cfg.group_size

@@ -111,6 +111,12 @@ def _run(
     programs = programs_lib.compile_in_background(programs, built, params)
     rollout = make_rollout(built, graphdef, params, mesh)
     evaluation = functools.partial(evaluate, rollout, seed=built.seed + 1, num_batches=t.eval_batches)
+
+    def evaluate_and_log(step: int, params) -> dict[str, float]:
+        metrics, samples = evaluation(params)
+        writer.write_samples(step, samples)
+        return metrics
+
     prompts = prompt_iterator(built.task, seed=built.seed, split="train")
     ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=t.keep_checkpoints, save_every=t.checkpoint_every)
     with ckpt, MetricWriter(workdir) as writer, PreemptionGuard(sigint=True) as guard:
@@ -124,7 +130,8 @@ def _run(
         if is_main:  # rows past the restored step were logged by work the resumed run redoes
             workdir_lib.drop_rows_after(workdir, start if restored else -1)
         if not restored:
-            writer.write(0, {**evaluation(state.params), **{k: float(v) for k, v in warm_start_info.items()}})
+            info = {k: float(v) for k, v in warm_start_info.items()}
+            writer.write(0, {**evaluate_and_log(0, state.params), **info})
         last: dict[str, float] = {}
         bar = Progress(t.num_iterations, start, built.algorithm, every=log_every, enabled=progress)
         for it in range(start, t.num_iterations):
@@ -132,7 +139,7 @@ def _run(
             state, metrics = train_lib.rl_iteration(programs, rollout, t, state, prompts, it, ref_params)
             t0 = time.perf_counter()
             if (it + 1) % t.eval_every == 0 or it + 1 == t.num_iterations:
-                metrics.update(evaluation(state.params), eval_seconds=time.perf_counter() - t0)
+                metrics.update(evaluate_and_log(it + 1, state.params), eval_seconds=time.perf_counter() - t0)
             metrics["xla_compiles"] = float(counter.count)
             if (loads := metrics.pop("expert_loads", None)) is not None:
                 writer.write_routing(it + 1, loads)

@@ -1,5 +1,5 @@
-"""Metric logging from process 0: one JSON line per step in `<workdir>/metrics.jsonl`, sample
-completions in `<workdir>/samples.jsonl`, per-expert loads in `<workdir>/routing.jsonl`, and the
+"""Metric logging from process 0: one JSON line per step in `<workdir>/metrics.jsonl`, held-out
+completions (one line each) in `<workdir>/samples.jsonl`, per-expert loads in `<workdir>/routing.jsonl`, and the
 scalars and text as TensorBoard events in `<workdir>/tb`.
 
 JSONL is the source of truth (plots are made from it); TensorBoard is optional (tensorboardX, no
@@ -33,7 +33,7 @@ _NON_FINITE = {"nan": math.nan, "inf": math.inf, "-inf": -math.inf}
 
 
 class MetricWriter:
-    """Appends metrics and text samples to JSONL (+ TensorBoard); a no-op unless `enabled`.
+    """Appends metrics and completions to JSONL (+ TensorBoard); a no-op unless `enabled`.
 
     `enabled` defaults to `jax.process_index() == 0`, so every process may call it unconditionally.
     Files are opened for appending, so a resumed run continues the same files (see `read_metrics`).
@@ -70,13 +70,17 @@ class MetricWriter:
                     self._tb.add_scalar(k, v, int(step))
             self._tb.flush()
 
-    def write_text(self, step: int, name: str, text: str) -> None:
-        """Records a text sample (e.g. a completion) under `name`."""
-        if not self.enabled:
+    def write_samples(self, step: int, samples: list[Mapping[str, Any]]) -> None:
+        """Records completions, one line each (`{"step", "time", **sample}`, e.g. prompt, completion,
+        reward), and in TensorBoard one text entry of them all."""
+        if not self.enabled or not samples:
             return
-        self._append(SAMPLES_FILE, {"step": int(step), "time": time.time(), "name": name, "text": str(text)})
+        now = time.time()
+        for sample in samples:
+            self._append(SAMPLES_FILE, {"step": int(step), "time": now, **sample})
         if self._tb is not None:
-            self._tb.add_text(name, str(text), int(step))
+            text = "\n\n".join("  \n".join(f"**{k}**: `{v!r}`" for k, v in x.items()) for x in samples)
+            self._tb.add_text("samples", text, int(step))
             self._tb.flush()
 
     def write_routing(self, step: int, record: Mapping[str, Any]) -> None:

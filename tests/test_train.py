@@ -16,6 +16,8 @@ import optax
 import pytest
 
 from gspo_jax import checkpoint, losses, routing, train
+from gspo_jax import config as config_lib
+from gspo_jax import evaluate as evaluate_lib
 from gspo_jax import model as model_lib
 from gspo_jax import optimizer as optimizer_lib
 from gspo_jax import programs as programs_lib
@@ -23,7 +25,8 @@ from gspo_jax import run as run_lib
 from gspo_jax.checkpoint import Checkpointer
 from gspo_jax.config import base_config, build
 from gspo_jax.sharding import mesh_from_config
-from gspo_jax.tasks import load_tokenizer, prompt_iterator
+from gspo_jax.tasks import Example, expressions, load_tokenizer, prompt_iterator
+from gspo_jax.tasks.arithmetic import ArithmeticTask
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -503,6 +506,22 @@ def test_tiny_end_to_end_compiles_once_checkpoints_and_resumes_bitwise(tmp_path,
         assert [r["step"] for r in rows] == [1, 2, 3]
         assert np.asarray(rows[0]["load_new"]).shape == (L, E)
         np.testing.assert_allclose(np.sum(rows[0]["load_old"], axis=-1), 1.0, rtol=1e-6)
+    # held-out completions at each evaluation (steps 0, 2 and the last), the same prompts every time, each
+    # with the reward its completion earns; the resumed run logs the same ones once
+    samples = {
+        run: [json.loads(x) for x in (tmp_path / run / "samples.jsonl").read_text().splitlines()]
+        for run in ("full", "resumed")
+    }
+    full = samples["full"]
+    steps = sorted({x["step"] for x in full})
+    assert steps == [0, 2, 3] and len(full) == 3 * evaluate_lib.SAMPLES
+    assert len({x["prompt"] for x in full}) == evaluate_lib.SAMPLES
+    task = ArithmeticTask(**{k: v for k, v in config_lib.task_settings(c).items() if k != "name"})
+    for x in full:
+        answer = expressions.evaluate(expressions.parse(x["prompt"].removeprefix("What is ").removesuffix("?\n")))
+        assert x["reward"] == task.reward(x["completion"], Example(prompt=x["prompt"], answer=str(answer)))
+    strip = lambda rows: [{k: v for k, v in x.items() if k != "time"} for x in rows]
+    assert strip(samples["resumed"]) == strip(full)
 
 
 @pytest.mark.slow

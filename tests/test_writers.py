@@ -78,7 +78,7 @@ def test_undefined_metrics_stay_in_the_jsonl_and_out_of_tensorboard(tmp_path):
 def test_disabled_writer_writes_nothing(tmp_path):
     w = MetricWriter(tmp_path / "run", enabled=False)
     w.write(1, {"a": 1.0})
-    w.write_text(1, "sample", "hello")
+    w.write_samples(1, [{"completion": "hello"}])
     w.close()
     assert not (tmp_path / "run").exists()
 
@@ -86,11 +86,14 @@ def test_disabled_writer_writes_nothing(tmp_path):
 def test_tensorboard_and_samples(tmp_path):
     with MetricWriter(tmp_path) as w:
         w.write(3, {"reward_mean": 0.5})
-        w.write_text(3, "completion", "2 + 2 = 4")
+        w.write_samples(3, [{"prompt": "2+2?", "completion": "#### 4", "reward": 1.0}, {"completion": "5"}])
+        w.write_samples(4, [])
     events = list((tmp_path / "tb").glob("events.out.tfevents.*"))
     assert events and events[0].stat().st_size > 0
-    (sample,) = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
-    assert (sample["step"], sample["name"], sample["text"]) == (3, "completion", "2 + 2 = 4")
+    first, second = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert first.pop("time") == second.pop("time")
+    assert first == {"step": 3, "prompt": "2+2?", "completion": "#### 4", "reward": 1.0}
+    assert second == {"step": 3, "completion": "5"}
 
 
 def test_resume_appends_and_read_metrics_dedups(tmp_path):
