@@ -250,22 +250,40 @@ def _styles(arms: Sequence[str]) -> dict[str, dict[str, Any]]:
     return style
 
 
-def _legend(fig: Figure, axes: Sequence[Any], n: int) -> None:
-    """A legend per panel for a few arms; for many, one beside the panels, so no curve is hidden."""
-    if n <= 6:
+LEGEND_INSIDE = 40  # longest arm name (characters) a panel's own legend takes without hiding curves
+
+
+def _legend_place(arms: Sequence[str]) -> str:
+    """Where the arms' legend goes: in each panel (a few short names), below the panels (a few long
+    ones, e.g. a ladder's growing names) or beside them (many)."""
+    if len(arms) > 6:
+        return "right"
+    return "below" if max(map(len, arms), default=0) > LEGEND_INSIDE else "panel"
+
+
+def _legend(fig: Figure, axes: Sequence[Any], arms: Sequence[str]) -> None:
+    """The arms' legend, placed by `_legend_place`, so no curve is hidden."""
+    place = _legend_place(arms)
+    if place == "panel":
         for ax in axes:
             if ax.get_visible() and ax.has_data():
                 ax.legend(fontsize="small")
         return
     handles, labels = next((ax.get_legend_handles_labels() for ax in axes if ax.has_data()), ([], []))
-    fig.legend(handles, labels, loc="outside right upper", fontsize="small", ncols=math.ceil(n / 30))
+    if place == "below":
+        fig.legend(handles, labels, loc="outside lower center", fontsize="small")
+    else:
+        fig.legend(handles, labels, loc="outside right upper", fontsize="small", ncols=math.ceil(len(arms) / 30))
 
 
-def _figure(panels: int, arms: int) -> tuple[Figure, np.ndarray]:
-    """A figure of `panels` panels, two to a row, widened for a legend beside them when arms are many."""
+def _figure(panels: int, arms: Sequence[str]) -> tuple[Figure, np.ndarray]:
+    """A figure of `panels` panels, two to a row, grown for a legend beside or below them."""
     cols, rows = min(panels, 2), math.ceil(panels / 2)
-    extra = 0.0 if arms <= 6 else 3.2 * math.ceil(arms / 30)
-    fig = Figure(figsize=(6.4 * cols + extra, max(4.0 * rows, 0.2 * min(arms, 30) + 1.0)), layout="constrained")
+    place, n = _legend_place(arms), len(arms)
+    extra_w = 3.2 * math.ceil(n / 30) if place == "right" else 0.0
+    extra_h = 0.25 * n + 0.3 if place == "below" else 0.0
+    width = max(6.4 * cols + extra_w, 0.075 * max(map(len, arms), default=0) if place == "below" else 0.0)
+    fig = Figure(figsize=(width, max(4.0 * rows, 0.2 * min(n, 30) + 1.0) + extra_h), layout="constrained")
     return fig, fig.subplots(rows, cols, squeeze=False).ravel()
 
 
@@ -274,7 +292,7 @@ def _curves(arms: Mapping[str, list[RunResult]], keys: Sequence[str], title: str
     keys = [k for k in keys if any(r.values(k) for rs in arms.values() for r in rs)]
     if not keys:
         return None
-    fig, axes = _figure(len(keys), len(arms))
+    fig, axes = _figure(len(keys), list(arms))
     style = _styles(list(arms))
     for ax, key in zip(axes, keys, strict=False):
         for arm, rs in arms.items():
@@ -289,7 +307,7 @@ def _curves(arms: Mapping[str, list[RunResult]], keys: Sequence[str], title: str
         ax.grid(alpha=0.3)
     for ax in axes[len(keys) :]:
         ax.set_visible(False)
-    _legend(fig, axes, len(arms))
+    _legend(fig, axes, list(arms))
     fig.suptitle(title)
     return fig
 
@@ -304,7 +322,7 @@ def _per_layer(arms: Mapping[str, list[RunResult]]) -> Figure | None:
                     families.setdefault(m[1], set()).add(int(m[2]))
     if not families:
         return None
-    fig, axes = _figure(len(families), len(arms))
+    fig, axes = _figure(len(families), list(arms))
     style = _styles(list(arms))
     for ax, (family, layers) in zip(axes, sorted(families.items()), strict=False):
         layers = sorted(layers)
@@ -316,7 +334,7 @@ def _per_layer(arms: Mapping[str, list[RunResult]]) -> Figure | None:
         ax.grid(alpha=0.3)
     for ax in axes[len(families) :]:
         ax.set_visible(False)
-    _legend(fig, axes, len(arms))
+    _legend(fig, axes, list(arms))
     fig.suptitle("Routing drift per layer (π_θ vs π_old)")
     return fig
 

@@ -368,3 +368,16 @@ def test_report_figures_colour_arms_by_algorithm_and_style_them_by_the_rest():
     assert len({(s["color"], s["linestyle"]) for s in style.values()}) == len(arms)
     many = [f"grpo-lr={i}" for i in range(12)]  # more variants than line styles: a colour each
     assert len({s["color"] for s in sweep_report._styles(many).values()}) == 12
+
+
+def test_a_legend_never_sits_on_the_curves_it_names():
+    """A few short arm names: a legend in each panel; a few long ones (a ladder's names grow rung by
+    rung): below the panels, in a figure grown to hold them; many: beside the panels."""
+    short, long = ["grpo", "gspo-replay=R3"], ["grpo", "grpo-" + "x=1-" * 20 + "seed"]
+    assert [sweep_report._legend_place(a) for a in (short, long, [f"a{i}" for i in range(7)])] == [
+        "panel",
+        "below",
+        "right",
+    ]
+    fig, _ = sweep_report._figure(1, long)
+    assert fig.get_size_inches()[1] > sweep_report._figure(1, short)[0].get_size_inches()[1]

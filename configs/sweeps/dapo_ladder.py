@@ -27,7 +27,7 @@ RUNGS = [
 
 
 def runs():
-    ladder = dict(COMMON)
+    ladder = {}
     for rung in RUNGS:
         ladder = {**ladder, **rung}
         for seed in (0, 1, 2):
