@@ -1,7 +1,7 @@
 """The DAPO ladder: GRPO, then + overlong filtering, + clip-higher (ε_high 0.28), + token-level loss,
 + dynamic sampling, each rung keeping the ones before (the DAPO paper's ablation: 30 → 36 → 38 → 42
 → 50 on AIME). GRPO's KL term stays on every rung (DAPO drops it; the paper's ladder does not list it
-as a rung). 5 rungs × 3 seeds: 15 runs, ~45 minutes at --parallel 2 on 2 cores.
+as a rung). 5 rungs × 3 seeds: 15 runs, 40 minutes at --parallel 2 on the 2-core AVX-512 host.
 
 The task makes length matter: the default arithmetic, half of whose warm-start demonstrations show their
 working ("8+6=14\\n14+5=19\\n#### 19", 18-22 tokens, ~93% right when the budget lets them finish) and
