@@ -19,8 +19,10 @@ How the numbers were chosen (GRPO/GSPO, seed 0, 16 prompts × 8, measured on 2 C
 No setting found reaches this drift and still learns (configs/sweeps/regime_search.py, seed 0): above
 ~5% of slots per iteration every run of this model fell 16-23 points; what learned (64 prompts per
 rollout, lr 3e-4: 34% -> 42% in 40 iterations) moved 2.4%, and a 6-layer 16-expert model at those
-settings learned (64% -> 74%) at 3.9%, but costs ~7x per iteration. So this config keeps the paper's drift
-and the sweeps ask which objective and which replay lose least under it (docs/RESULTS.md).
+settings learned (64% -> 74%) at 3.9%, but costs ~7x per iteration; 64 experts top-2 at those settings
+moved 7-10.5% and held level (70% -> 59-69% after 80 iterations, GRPO and GSPO, seeds 0-1) without
+learning. So this config keeps the paper's drift and the sweeps ask which objective and which replay
+lose least under it (docs/RESULTS.md).
 Eight updates per rollout is what makes the later minibatches off-policy, which is where clipping and
 importance weights act; the constant rate keeps the drift from fading as the run goes on. The bf16
 sampler flips about 1.2% of router choices against the float32 trainer (`mismatch_router_flip_rate`),

@@ -1,7 +1,8 @@
 """How the study regime was looked for: seed-0 GRPO (and GSPO) runs of configs/study/moe_drift.py with
 one thing changed each (per-update batch, learning rate, minibatches, the model's depth and expert
 count, the load-balancing loss), to find where one iteration moves ~10% of the expert slots and the
-policy still learns. 22 runs, single seed: leads, not results (docs/RESULTS.md has the table).
+policy still learns. 29 runs, seed 0 (the 64-expert arm also seed 1): leads, not results
+(docs/RESULTS.md has the table).
 
     python scripts/sweep.py configs/sweeps/regime_search.py --workroot results/regime_search --parallel 2
     python scripts/sweep.py configs/sweeps/regime_search.py --workroot results/regime_search --report
@@ -36,6 +37,13 @@ COMBINED = {  # the router that drifts (16 experts, 6 layers) at the step that l
     "train.num_iterations": 40,
     "train.eval_every": 5,
 }
+FINE = {  # drift from more experts at a fixed active size (top-2 of 64) at the step that learns
+    "model.num_experts": 64,
+    "rollout.num_groups": 64,
+    "train.minibatches": 2,
+    "train.learning_rate": 3e-4,
+    "train.num_iterations": 80,
+}
 BIG_BATCH = [  # drift at 64 prompts per rollout, 30 iterations
     {"train.minibatches": 2, "train.learning_rate": 1e-3},
     {"train.minibatches": 4, "train.learning_rate": 6e-4},
@@ -51,4 +59,11 @@ def runs():
     big = {"rollout.num_groups": 64, "train.num_iterations": 30, "train.eval_every": 5}
     out += [{"algorithm": a, **c, **big, "seed": 0} for c in BIG_BATCH for a in ("grpo", "gspo")]
     out.append({"algorithm": "grpo", **COMBINED, "seed": 0})
-    return [*out, {"algorithm": "grpo", **COMBINED, "train.minibatches": 4, "seed": 0}]  # the same, 2x the steps
+    out.append({"algorithm": "grpo", **COMBINED, "train.minibatches": 4, "seed": 0})  # the same, 2x the steps
+    out += [{"algorithm": a, **FINE, "seed": seed} for seed in (0, 1) for a in ("grpo", "gspo")]
+    short_fine = {**FINE, "train.num_iterations": 40}  # 64 experts at 4 minibatches; 32 experts at 2 and 4
+    grid = [(64, 4), (32, 2), (32, 4)]
+    return out + [
+        {"algorithm": "grpo", **short_fine, "model.num_experts": e, "train.minibatches": mb, "seed": 0}
+        for e, mb in grid
+    ]
