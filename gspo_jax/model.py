@@ -74,7 +74,9 @@ class ModelConfig:
     dense_layers: tuple[int, ...] = ()  # like Qwen3-MoE mlp_only_layers
     lb_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
-    dispatch: str = "sparse"  # "sparse" (block-sorted loop: CPU) | "dense" (all-experts einsum) | "ragged" (ragged_dot)
+    # "auto": "sparse" on CPUs, "grouped" on GPUs and TPUs (`moe.resolve_dispatch`); or one of those,
+    # "dense" (every expert on every token) or "ragged" (`lax.ragged_dot` under autodiff).
+    dispatch: str = "auto"
     param_dtype: str = "float32"
     dtype: str = "float32"  # compute dtype; router, softmax and logits are float32 regardless
     # Layers of one kind are stacked and run by `lax.scan`: trace and compile time stay flat in depth.
@@ -190,7 +192,7 @@ PRESETS: dict[str, ModelConfig] = {
         renormalize_topk=True,
         moe_every=1,
         lb_loss_coef=0.001,
-        dispatch="ragged",
+        dispatch="auto",
         param_dtype="bfloat16",
         dtype="bfloat16",
     ),
@@ -212,7 +214,7 @@ PRESETS: dict[str, ModelConfig] = {
         renormalize_topk=True,
         moe_every=1,
         lb_loss_coef=0.02,
-        dispatch="ragged",
+        dispatch="auto",
         param_dtype="bfloat16",
         dtype="bfloat16",
     ),

@@ -9,6 +9,7 @@ axis names (see `param`); nothing here knows the model's structure.
 
 from __future__ import annotations
 
+import contextvars
 import functools
 import logging
 import math
@@ -255,16 +256,30 @@ def constrain(x: jax.Array, names: Sequence[str | None], rules: Sequence[tuple[s
     return jax.lax.with_sharding_constraint(x, logical_to_spec(names, rules, x.shape, mesh))
 
 
+_PLATFORM: contextvars.ContextVar[str | None] = contextvars.ContextVar("gspo_jax_platform", default=None)
+
+
+def platform() -> str:
+    """The platform the program being traced runs on: its mesh's devices' under `under_mesh` (so a
+    deviceless TPU compile on a CPU host says "tpu"), else JAX's default backend."""
+    return _PLATFORM.get() or jax.default_backend()
+
+
 @functools.cache
 def under_mesh(fn: Callable, mesh: Mesh) -> Callable:
-    """`fn` traced with `mesh` as the context mesh, so `constrain` and the expert-parallel MoE see it.
-    Jit the result with in/out shardings on the same mesh. Cached, so equal (fn, mesh) pairs give
-    the same function and share a jit's compilations."""
+    """`fn` traced with `mesh` as the context mesh, so `constrain` and the expert-parallel MoE see it,
+    and with the mesh's platform as `platform()`. Jit the result with in/out shardings on the same
+    mesh. Cached, so equal (fn, mesh) pairs give the same function and share a jit's compilations."""
+    device_platform = mesh.devices.flat[0].platform
 
     @functools.wraps(fn)
     def traced(*args, **kwargs):
-        with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
-            return fn(*args, **kwargs)
+        token = _PLATFORM.set(device_platform)
+        try:
+            with jax.sharding.use_abstract_mesh(mesh.abstract_mesh):
+                return fn(*args, **kwargs)
+        finally:
+            _PLATFORM.reset(token)
 
     return traced
 

@@ -166,8 +166,8 @@ MIXTRAL_8X7B_HUB = {  # config.json of mistralai/Mixtral-8x7B-v0.1
 
 
 def test_hub_configs_give_presets():
-    assert hf.config_from_hf(QWEN3_30B_A3B_HUB, dispatch="ragged") == model_lib.get_config("qwen3_30b_a3b")
-    assert hf.config_from_hf(MIXTRAL_8X7B_HUB, dispatch="ragged") == model_lib.get_config("mixtral_8x7b")
+    assert hf.config_from_hf(QWEN3_30B_A3B_HUB, dispatch="auto") == model_lib.get_config("qwen3_30b_a3b")
+    assert hf.config_from_hf(MIXTRAL_8X7B_HUB, dispatch="auto") == model_lib.get_config("mixtral_8x7b")
 
 
 def test_transformers5_config_names():

@@ -221,7 +221,7 @@ class TestForward(chex.TestCase):
         assert np.isfinite(float(aux.lb_loss)) and np.isfinite(float(aux.z_loss))
 
     @chex.variants(with_jit=True)
-    @parameterized.named_parameters(("dense", "dense"), ("ragged", "ragged"), ("sparse", "sparse"))
+    @parameterized.named_parameters(*((d, d) for d in ("dense", "ragged", "sparse", "grouped")))
     def test_dropless_token_independent_of_other_rows(self, dispatch):
         cfg, _, state = tiny_model()
         graphdef, _ = build(dataclasses.replace(cfg, dispatch=dispatch))
@@ -237,7 +237,7 @@ class TestForward(chex.TestCase):
         np.testing.assert_allclose(logits[0], base[0], atol=1e-6, rtol=0)
 
     @chex.variants(with_jit=True)
-    @parameterized.named_parameters(("ragged", "ragged"), ("sparse", "sparse"))
+    @parameterized.named_parameters(("ragged", "ragged"), ("sparse", "sparse"), ("grouped", "grouped"))
     def test_dispatch_paths_agree_with_dense(self, dispatch):
         cfg, _, state = tiny_model()
         graphdef_dense, _ = build(dataclasses.replace(cfg, dispatch="dense"))
@@ -554,7 +554,7 @@ class TestExpertParallel(chex.TestCase):
     """The all-to-all expert-parallel MoE (`moe.expert_parallel`) on the fake 8-device mesh against the
     single-device dense path, in values and gradients."""
 
-    @parameterized.named_parameters(("dense", "dense"), ("ragged", "ragged"), ("sparse", "sparse"))
+    @parameterized.named_parameters(*((d, d) for d in ("dense", "ragged", "sparse", "grouped")))
     def test_no_expert_index_gives_zero_rows(self, dispatch):
         # Index E ("no expert") is how the exchange marks empty slots: such a row outputs exactly 0 and
         # the other rows are what they would be without it.
@@ -564,7 +564,7 @@ class TestExpertParallel(chex.TestCase):
         w = [jax.random.normal(k, s) for k, s in zip(ks[1:4], [(E, D, F), (E, D, F), (E, F, D)])]
         topk = jax.random.randint(ks[4], (1, 10, 1), 0, E)
         none = jnp.arange(10)[None, :, None] % 3 == 0
-        fn = {"dense": moe.dense_experts, "ragged": moe.ragged_experts, "sparse": moe.sparse_experts}[dispatch]
+        fn = moe.experts_fn(dispatch, "cpu")
         ones = jnp.ones((1, 10, 1))
         y = fn(x, jnp.where(none, E, topk), ones, *w)
         y_all = fn(x, topk, ones, *w)
@@ -578,6 +578,7 @@ class TestExpertParallel(chex.TestCase):
         ("dp2_ep2_tp2_dense", dict(data=2, expert=2, tensor=2), "dense", (4, 6), "random"),
         ("ep4_tp2_sparse_skewed", dict(expert=4, tensor=2), "sparse", (4, 6), "skewed"),
         ("fsdp2_ep4_ragged_padded", dict(fsdp=2, expert=4), "ragged", (2, 5), "random"),  # 10 tokens, 8 devices
+        ("ep4_grouped_padded", dict(expert=4), "grouped", (2, 5), "random"),
     )
     def test_matches_dense_values_and_gradients(self, axes, dispatch, shape, routing):
         E, K, D, F = 8, 2, 16, 8
@@ -588,7 +589,7 @@ class TestExpertParallel(chex.TestCase):
         if routing == "skewed":  # every token picks experts 2 and 3, both on one expert shard
             logits = logits.at[..., 2:4].add(100.0)
         topk, gates, _ = moe.route(logits, K, True)
-        local = {"dense": moe.dense_experts, "ragged": moe.ragged_experts, "sparse": moe.sparse_experts}[dispatch]
+        local = moe.experts_fn(dispatch, "cpu")
 
         def loss(experts, x, gates, *w):
             y = experts(x, topk, gates, *w)
@@ -624,7 +625,7 @@ class TestExpertParallel(chex.TestCase):
 
 class TestKVCache(chex.TestCase):
     @chex.variants(with_jit=True)
-    @parameterized.named_parameters(("dense", "dense"), ("ragged", "ragged"), ("sparse", "sparse"))
+    @parameterized.named_parameters(*((d, d) for d in ("dense", "ragged", "sparse", "grouped")))
     def test_prefill_then_decode_matches_full_forward(self, dispatch):
         cfg, _, state = tiny_model()
         graphdef, _ = build(dataclasses.replace(cfg, dispatch=dispatch))

@@ -1,0 +1,102 @@
+"""The grouped expert path (`gspo_jax.grouped`): its hand-written backward with the reference kernels
+(`lax.ragged_dot`) and with megablox run in Pallas interpret mode (the TPU kernels' own code) against
+the dense path, empty experts, "no expert" rows, and the `dispatch="auto"` rule."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from gspo_jax import grouped, moe, sharding
+
+
+def inputs(N=40, D=32, F=16, E=6, K=2, empty=(3,), seed=0):
+    ks = jax.random.split(jax.random.key(seed), 6)
+    x = jax.random.normal(ks[0], (1, N, D))
+    w = [jax.random.normal(k, s) * s[-2] ** -0.5 for k, s in zip(ks[1:4], [(E, D, F), (E, D, F), (E, F, D)])]
+    logits = jax.random.uniform(ks[4], (1, N, E)).at[..., list(empty)].set(-1.0)  # never chosen
+    topk = jax.lax.top_k(logits, K)[1].astype(jnp.int32)
+    gates = jax.nn.softmax(jax.random.normal(ks[5], (1, N, K)), axis=-1)
+    return x, topk, gates, w
+
+
+def value_and_grads(experts, x, topk, gates, w):
+    loss = lambda x, gates, *w: jnp.sum(jnp.sin(experts(x, topk, gates, *w)))
+    return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2, 3, 4)))(x, gates, *w)
+
+
+@pytest.mark.parametrize("kernels", ["xla", "interpret"])
+def test_values_and_gradients_equal_the_dense_path(kernels):
+    x, topk, gates, w = inputs()
+    want = value_and_grads(moe.dense_experts, x, topk, gates, w)
+    got = value_and_grads(functools.partial(grouped.grouped_experts, kernels=kernels), x, topk, gates, w)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)
+    # Expert 3 got no rows: its weight gradients are exact zeros, the others' are not.
+    for g in got[1][2:]:
+        assert np.all(np.isfinite(g)) and np.all(np.asarray(g[3]) == 0.0)
+        assert all(float(jnp.abs(g[e]).max()) > 0 for e in (0, 1, 2, 4, 5))
+
+
+@pytest.mark.parametrize("kernels", ["xla", "interpret"])
+def test_no_expert_rows_give_zero_and_leave_the_rest_unchanged(kernels):
+    # Index E marks the expert-parallel exchange's empty slots: the rows are sorted past every group.
+    x, topk, gates, w = inputs(N=24, K=1, empty=())
+    none = (jnp.arange(24) % 3 == 0)[None, :, None]
+    fn = functools.partial(grouped.grouped_experts, kernels=kernels)
+    y = np.asarray(fn(x, jnp.where(none, 6, topk), jnp.ones_like(gates), *w))
+    y_all = np.asarray(fn(x, topk, jnp.ones_like(gates), *w))
+    np.testing.assert_array_equal(y[0, ::3], 0.0)
+    keep = ~np.asarray(none)[0, :, 0]
+    np.testing.assert_allclose(y[0, keep], y_all[0, keep], atol=1e-6, rtol=1e-6)
+    _, grads = value_and_grads(fn, x, jnp.where(none, 6, topk), gates, w)
+    np.testing.assert_array_equal(np.asarray(grads[0])[0, ::3], 0.0)  # "no expert" rows get no input gradient
+
+
+def test_bfloat16_close_to_float32():
+    x, topk, gates, w = inputs()
+    bf = lambda t: jax.tree.map(lambda a: a.astype(jnp.bfloat16), t)
+    fn = functools.partial(grouped.grouped_experts, kernels="interpret")
+    y16 = fn(bf(x), topk, gates, *bf(w))
+    y32 = moe.dense_experts(bf(x).astype(jnp.float32), topk, gates, *[a.astype(jnp.float32) for a in bf(w)])
+    assert y16.dtype == jnp.bfloat16
+    np.testing.assert_allclose(np.asarray(y16, np.float32), y32, atol=0.02 * float(jnp.abs(y32).max()))
+
+
+@pytest.mark.parametrize(
+    "platform, dtype, want",
+    [
+        ("cpu", jnp.bfloat16, "sparse"),
+        ("cpu", jnp.float32, "sparse"),
+        ("tpu", jnp.float32, "grouped"),
+        ("gpu", jnp.bfloat16, "grouped"),
+        ("gpu", jnp.float16, "grouped"),
+        ("gpu", jnp.float32, "dense"),
+    ],
+)
+def test_the_auto_rule(platform, dtype, want):
+    assert moe.resolve_dispatch("auto", platform, dtype) == want
+    assert moe.resolve_dispatch("ragged", platform, dtype) == "ragged"  # an explicit choice is kept
+
+
+def test_grouped_float32_on_a_gpu_is_refused_by_name():
+    with pytest.raises(ValueError, match="dispatch='grouped'.*float32"):
+        moe.experts_fn("grouped", "gpu", jnp.float32)
+    assert moe.experts_fn("grouped", "tpu", jnp.float32).keywords == {"kernels": "megablox"}
+    assert moe.experts_fn("grouped", "gpu", jnp.bfloat16).keywords == {"kernels": "mosaic_gpu"}
+
+
+def test_platform_is_the_mesh_devices_under_a_mesh():
+    mesh = sharding.make_mesh(data=2)
+    seen = []
+    fn = sharding.under_mesh(lambda x: seen.append(sharding.platform()) or x, mesh)
+    jax.jit(fn)(jnp.zeros(2))
+    assert seen == [mesh.devices.flat[0].platform] and sharding.platform() == jax.default_backend()
+
+
+def test_unknown_kernels_are_refused_by_name():
+    x = jnp.zeros((4, 8))
+    with pytest.raises(ValueError, match="kernels='triton'"):
+        grouped.gmm("triton", x, jnp.zeros((2, 8, 4)), jnp.array([2, 2], jnp.int32))
