@@ -148,6 +148,30 @@ def sequence_logprobs(logits_BTV: Array, tokens_BT: Array, temperature: float | 
     return jnp.pad(logp_BT, ((0, 0), (1, 0)))
 
 
+@jax.custom_vjp
+def head_logits(h_BCD: Array, head_DV: Array) -> Array:
+    """float32 logits h @ head, whose backward keeps the inputs' dtype: the float32 cotangent is cast to
+    `h`'s dtype before both backward matmuls (float32 accumulation, as the forward). Autodiff would
+    promote a bfloat16 head to float32 there: two float32 matmuls as wide as the vocabulary, a quarter
+    of the real-dims train step on an H100 (issue 40's profile). For float32 inputs it is autodiff."""
+    return jnp.einsum("bcd,dv->bcv", h_BCD, head_DV, preferred_element_type=jnp.float32)
+
+
+def _head_logits_fwd(h_BCD, head_DV):
+    return head_logits(h_BCD, head_DV), (h_BCD, head_DV)
+
+
+def _head_logits_bwd(res, g_BCV):
+    h_BCD, head_DV = res
+    g_BCV = g_BCV.astype(jnp.promote_types(h_BCD.dtype, head_DV.dtype))
+    dh = jnp.einsum("bcv,dv->bcd", g_BCV, head_DV.astype(g_BCV.dtype), preferred_element_type=jnp.float32)
+    dhead = jnp.einsum("bcd,bcv->dv", h_BCD.astype(g_BCV.dtype), g_BCV, preferred_element_type=jnp.float32)
+    return dh.astype(h_BCD.dtype), dhead.astype(head_DV.dtype)
+
+
+head_logits.defvjp(_head_logits_fwd, _head_logits_bwd)
+
+
 def sequence_logprobs_from_hidden(
     h_BTD: Array, head_DV: Array, tokens_BT: Array, temperature: float | Array = 1.0, chunk: int = 0
 ) -> Array:
@@ -161,8 +185,7 @@ def sequence_logprobs_from_hidden(
     targets_BT = jnp.pad(tokens_BT[:, 1:], ((0, 0), (0, 1)))  # position t predicts token t + 1; the last none
 
     def logp(h_BCD, targets_BC):
-        logits_BCV = jnp.einsum("bcd,dv->bcv", h_BCD, head_DV, preferred_element_type=jnp.float32)
-        return token_logprobs(logits_BCV, targets_BC, temperature)
+        return token_logprobs(head_logits(h_BCD, head_DV), targets_BC, temperature)
 
     if not chunk or chunk >= T:
         logp_BT = logp(h_BTD, targets_BT)

@@ -833,6 +833,27 @@ class TestChunkedLogprobs(parameterized.TestCase):
         g_want, g_got = grad(full), grad(chunked)
         chex.assert_trees_all_close(g_got, g_want, rtol=1e-5, atol=1e-6)
 
+    def test_bfloat16_backward_matmuls_stay_bfloat16_and_match_float32(self):
+        """With a bfloat16 head the backward's two vocabulary-wide matmuls take bfloat16 operands (float32
+        accumulation), not float32 ones, and the gradients match the float32 computation to bfloat16
+        precision."""
+        h, head, tokens = self.inputs(B=2, T=16, D=32, V=256)
+        w = jax.random.normal(jax.random.key(9), tokens.shape)
+
+        def grad(h, head):
+            loss = lambda h, head: jnp.sum(losses.sequence_logprobs_from_hidden(h, head, tokens, 1.0, 4) * w)
+            return jax.jit(jax.grad(loss, argnums=(0, 1)))
+
+        bf = lambda x: x.astype(jnp.bfloat16)
+        hlo = grad(bf(h), bf(head)).lower(bf(h), bf(head)).as_text()
+        dots = [line for line in hlo.splitlines() if "stablehlo.dot_general" in line]
+        assert len(dots) >= 3 and all("f32>, tensor" not in d.split("->")[0] for d in dots), dots
+        g16 = grad(bf(h), bf(head))(bf(h), bf(head))
+        g32 = grad(h, head)(bf(h).astype(jnp.float32), bf(head).astype(jnp.float32))
+        for a, b in zip(g16, g32):
+            assert a.dtype == jnp.bfloat16
+            np.testing.assert_allclose(np.asarray(a, np.float32), b, atol=0.02 * float(jnp.max(jnp.abs(b))))
+
     def test_a_chunk_of_logits_is_all_the_backward_pass_holds(self):
         """The compiled gradient's temporaries: the whole [B, T, V] float32 logits without chunking,
         a fraction of them with 8 of 128 positions at a time."""
