@@ -115,10 +115,21 @@ def sample_logits(logits_BV, key, temperature, top_k, top_p, max_top_k: int):
     return tok_B, logp_B
 
 
+def default_decode_chunk(max_new_tokens: int, platform: str) -> int:
+    """Decode steps per host round trip: 1 on a CPU; on an accelerator the largest of 8, 4, 2 that
+    divides `max_new_tokens` (else 1). A while loop's predicate goes to the host every iteration and
+    the host launches the next iteration's kernels only then, so a small model's decode step was
+    launch-bound (issue 40); a fixed-count inner loop needs no predicate."""
+    if platform == "cpu":
+        return 1
+    return next((u for u in (8, 4, 2) if max_new_tokens % u == 0), 1)
+
+
 def _generate(
     graphdef,
     max_new_tokens: int,
     max_top_k: int,
+    chunk: int,
     state,
     cache,
     prompt_BP,
@@ -161,12 +172,18 @@ def _generate(
             tokens=col(d.tokens, tok_B),
             logp=col(d.logp, jnp.where(live_B, logp_B, 0.0)),
             mask=col(d.mask, live_B),
-            topk=jax.lax.dynamic_update_slice_in_dim(d.topk, step_aux.topk, i, axis=2),
+            # Zeros (an untouched column) for the steps a chunk runs after every row has stopped.
+            topk=jax.lax.dynamic_update_slice_in_dim(d.topk, jnp.where(jnp.any(live_B), step_aux.topk, 0), i, axis=2),
         )
+
+    def steps(d: DecodeState) -> DecodeState:
+        # `chunk` divides C, so a chunk that starts below C ends at C at the latest; the steps after
+        # every row has stopped write only what an unwritten column holds.
+        return body(d) if chunk == 1 else jax.lax.fori_loop(0, chunk, lambda _, d: body(d), d)
 
     d = jax.lax.while_loop(
         cond,
-        body,
+        steps,
         DecodeState(
             step=jnp.zeros((), jnp.int32),
             cache=cache,
@@ -272,6 +289,7 @@ class Sampler:
         state=None,
         threads: int = 1,
         compiler_options: dict | None = None,
+        decode_chunk: int | None = None,
     ):
         for name, v in (
             ("batch_size", batch_size),
@@ -294,10 +312,15 @@ class Sampler:
         self.mesh = mesh
         # graphdef and the static sizes are static arguments of one module-level function, so equal
         # samplers share their compilation.
-        self._static = (graphdef, max_new_tokens, self.max_top_k)
+        platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
+        chunk = default_decode_chunk(max_new_tokens, platform) if decode_chunk is None else decode_chunk
+        check_int("Sampler", "decode_chunk", chunk, low=1)
+        check(max_new_tokens % chunk == 0, "Sampler", "decode_chunk", chunk, f"a divisor of {max_new_tokens=}")
+        self.decode_chunk = chunk
+        self._static = (graphdef, max_new_tokens, self.max_top_k, chunk)
         if mesh is None:
             self._fn = jax.jit(
-                _generate, static_argnums=(0, 1, 2), donate_argnums=(4,), compiler_options=compiler_options
+                _generate, static_argnums=(0, 1, 2, 3), donate_argnums=(5,), compiler_options=compiler_options
             )
             self._cache_sharding = self._in_shardings = self._out_shardings = None
         else:
@@ -313,8 +336,8 @@ class Sampler:
             self._out_shardings = out_sh
             self._fn = jax.jit(
                 sharding_lib.under_mesh(_generate, mesh),
-                static_argnums=(0, 1, 2),
-                donate_argnums=(4,),
+                static_argnums=(0, 1, 2, 3),
+                donate_argnums=(5,),
                 in_shardings=self._in_shardings,
                 out_shardings=(out_sh, self._cache_sharding),
                 compiler_options=compiler_options,

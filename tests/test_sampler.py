@@ -108,6 +108,23 @@ def test_no_recompiles_across_prompts_temperatures_seeds_and_eos(setup, compile_
     assert compile_counter.count == 0
 
 
+@pytest.mark.parametrize("chunk", [2, 5])
+def test_decode_chunks_change_nothing_even_after_every_row_stopped(setup, chunk):
+    # Chunks of decode steps (the accelerator default) give the same tokens, log-probs, masks and
+    # routing; an EOS that stops every row mid-chunk leaves the later columns as one-step decoding does.
+    cfg, graphdef, state, tokens, mask, sampler, _ = setup
+    chunked = Sampler(graphdef, cfg, B, P, N, max_top_k=16, decode_chunk=chunk)
+    ref = np.asarray(sampler(state, tokens, mask, jax.random.key(0), temperature=0.0).tokens)[:, P:]
+    for kw in (dict(temperature=1.0), dict(temperature=0.0, eos_ids=tuple(int(t) for t in ref[:, 1]))):
+        a = sampler(state, tokens, mask, jax.random.key(2), **kw)
+        b = chunked(state, tokens, mask, jax.random.key(2), **kw)
+        for f in ("tokens", "logp", "completion_mask", "lengths", "truncated", "topk"):
+            np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f)
+    assert int(np.max(a.lengths)) == 2  # the second pass stopped every row at step 2 of 10
+    with pytest.raises(ValueError, match="decode_chunk"):
+        Sampler(graphdef, cfg, B, P, N, decode_chunk=3)
+
+
 def test_bad_arguments_raise_early(setup):
     _, _, state, tokens, mask, sampler, _ = setup
     with pytest.raises(AssertionError, match="prompts"):  # chex shape check at the boundary
