@@ -26,7 +26,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from gspo_jax import moe
+from gspo_jax import grouped, moe
 
 DIMS = {
     # Qwen3-30B-A3B: width 2048, 128 experts top-8, expert width 768. Train: 16 sequences x 1536
@@ -68,6 +68,23 @@ def _inputs(N: int, D: int, F: int, E: int, K: int, dtype, seed: int = 0):
 
 def _loss(fn, x, topk, gates, *w):
     return jnp.sum(fn(x, topk, gates, *w).astype(jnp.float32) ** 2)
+
+
+def program(experts, phase: str):
+    """A training pass (loss value and gradients in x, gates and the three weights) or a decode forward."""
+    if phase == "train":
+        return jax.value_and_grad(functools.partial(_loss, experts), argnums=(0, 2, 3, 4, 5))
+    return experts
+
+
+def max_rel_err(fn, ref, args) -> float:
+    """The largest of max|a - b| / max|b| over the outputs' leaves (values, then each gradient)."""
+    got, want = jax.jit(fn)(*args), jax.jit(ref)(*args)
+    errs = [
+        float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32))) / jnp.maximum(jnp.max(jnp.abs(b)), 1e-30))
+        for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want))
+    ]
+    return max(errs)
 
 
 def _time(compiled, args, repeats: int) -> float:
@@ -125,12 +142,19 @@ def main():
     ap.add_argument("--compile_only", action="store_true", help="memory only, nothing run")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default="", help="also write the results as JSON here")
+    ap.add_argument(
+        "--tiles",
+        default="",
+        help="GPU: also the grouped path's train pass with these Mosaic GPU tiles, ';'-separated "
+        "block_m,block_n,block_k,max_concurrent_steps,grid_block_n (e.g. 64,128,64,4,1;128,128,64,6,1)",
+    )
     args = ap.parse_args()
     d = DIMS[args.dims]
     D, F, E, K = d["D"], d["F"], d["E"], d["K"]
     dtype = jnp.bfloat16
     fns = {"ragged": moe.ragged_experts, "ragged_triton": moe.ragged_experts, "sparse": moe.sparse_experts}
     fns["dense"] = moe.dense_experts
+    fns["grouped"] = moe.experts_fn("grouped", jax.default_backend())
     for b in (8, 32, 256, 512, 1024):
         fns[f"blocked{b}"] = functools.partial(blocked_experts, block=b)
         fns[f"sparse{b}"] = functools.partial(moe.sparse_experts, block=b)
@@ -158,17 +182,27 @@ def main():
             size = p.removeprefix("blocked").removeprefix("sparse")
             if size.isdigit() and (int(size) < 64) != (phase == "decode"):
                 continue  # small blocks for decoding, large ones for training
-            if phase == "train":
-                fn = jax.value_and_grad(functools.partial(_loss, fns[p]), argnums=(0, 2, 3, 4, 5))
-                call_args, flops = (x, topk, gates, *w), 3 * fwd_flops
-            else:
-                fn = fns[p]
-                call_args, flops = (x, topk, gates, *w), fwd_flops
+            fn, call_args = program(fns[p], phase), (x, topk, gates, *w)
+            flops = 3 * fwd_flops if phase == "train" else fwd_flops
             row = measure(p, fn, call_args, flops, args.repeats, args.compile_only, flag=p == "ragged_triton")
             row["tokens"] = N
+            if p == "grouped" and not args.compile_only and "error" not in row:
+                row["max_rel_err_vs_sparse"] = max_rel_err(fn, program(fns["sparse"], phase), call_args)
             if phase == "decode" and "seconds" in row:
                 row["weight_bytes"] = weight_bytes
                 row["floor_seconds"] = weight_bytes / out["copy_bytes_per_s"]  # each weight read once
+            out[phase].append(row)
+            print(json.dumps(dict(phase=phase, **row)), flush=True)
+        for t in (t for t in args.tiles.split(";") if t and phase == "train" and not args.compile_only):
+            names = ("block_m", "block_n", "block_k", "max_concurrent_steps", "grid_block_n")
+            saved = dict(grouped.GPU_TILES)
+            grouped.GPU_TILES.update(zip(names, (int(v) for v in t.split(","))))
+            try:
+                fn = program(moe.experts_fn("grouped", jax.default_backend()), phase)
+                row = measure(f"grouped[{t}]", fn, (x, topk, gates, *w), 3 * fwd_flops, args.repeats, False)
+            finally:
+                grouped.GPU_TILES.clear()
+                grouped.GPU_TILES.update(saved)
             out[phase].append(row)
             print(json.dumps(dict(phase=phase, **row)), flush=True)
     if args.out:

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks.run import accelerator
 from benchmarks.run.machine import refuse_unoptimised
 from benchmarks.run.shapes import SHAPES, iteration_config, pieces, random_batch, shape_config
 from gspo_jax import compiles
@@ -53,6 +54,8 @@ BOOKKEEPING = ("ThunkExecutor::", "SlinkyThreadPool::", "end: ")  # executor wai
 
 
 def _config(shape: str):
+    if shape == "real":
+        return accelerator.real_dims_config()
     return iteration_config(shape) if shape == "iteration" else shape_config(shape)
 
 
@@ -72,9 +75,11 @@ def train_step_program(shape: str):
     return call, compiled.as_text()
 
 
-def sampler_program(shape: str):
-    """(call, compiled HLO text) for one rollout batch of `shape`: prefill and the decode loop."""
+def sampler_program(shape: str, max_new_tokens: int = 0):
+    """(call, compiled HLO text) for one rollout batch of `shape`: prefill and the decode loop (of
+    `max_new_tokens` steps where given, else the config's)."""
     c = _config(shape)
+    c.max_new_tokens = max_new_tokens or c.max_new_tokens
     built, graphdef, params, _ = pieces(c)
     B = built.rollout.num_groups * built.rollout.group_size
     P, C = c.prompt_len, c.max_new_tokens
@@ -200,8 +205,50 @@ def analyse(trace_dir: str, hlo: str, calls: int, big_mib: float, top: int = 15)
     )
 
 
-def profile(program: str, shape: str, calls: int, big_mib: float, top: int = 15) -> dict:
-    call, hlo = (train_step_program if program == "train_step" else sampler_program)(shape)
+def analyse_gpu(trace_dir: str, hlo: str, calls: int, top: int = 15) -> dict:
+    """A GPU trace's report: kernel time and count per call (the device's stream lines), and time per
+    HLO op (its "XLA Ops" line) by kind and for the slowest ops."""
+    files = sorted(Path(trace_dir).rglob("*.xplane.pb"))
+    data = jax.profiler.ProfileData.from_file(str(files[-1]))
+    index = _hlo_index(hlo)
+    by_op, kernels, n_kernels, span = collections.Counter(), collections.Counter(), 0, [float("inf"), 0.0]
+    for plane in data.planes:
+        if not plane.name.startswith("/device:GPU"):
+            continue
+        for line in plane.lines:
+            events = list(line.events)
+            if line.name == "XLA Ops":
+                for e in events:
+                    by_op[e.name] += e.duration_ns / 1e9
+            elif line.name.startswith("Stream"):
+                for e in events:
+                    kernels[e.name[:80]] += e.duration_ns / 1e9
+                    n_kernels += 1
+                    span = [min(span[0], e.start_ns), max(span[1], e.start_ns + e.duration_ns)]
+    if not kernels:
+        raise RuntimeError("no GPU kernel events in the trace")
+    by_kind = collections.Counter()
+    for name, sec in by_op.items():
+        by_kind[_kind(name)] += sec
+    slowest = [
+        dict(op=n, seconds_per_call=sec / calls, shape=index.get(n, ("?", ""))[0], source=index.get(n, ("", ""))[1])
+        for n, sec in by_op.most_common(top)
+    ]
+    return dict(
+        window_seconds_per_call=(span[1] - span[0]) / 1e9 / calls,
+        kernel_seconds_per_call=sum(kernels.values()) / calls,
+        kernels_per_call=n_kernels / calls,
+        by_kind={k: v / calls for k, v in by_kind.most_common(top)},
+        top_kernels={k: v / calls for k, v in kernels.most_common(top)},
+        slowest=slowest,
+    )
+
+
+def profile(program: str, shape: str, calls: int, big_mib: float, top: int = 15, max_new_tokens: int = 0) -> dict:
+    if program == "train_step":
+        call, hlo = train_step_program(shape)
+    else:
+        call, hlo = sampler_program(shape, max_new_tokens)
     jax.block_until_ready(call())
     t0 = time.perf_counter()
     jax.block_until_ready(call())
@@ -211,11 +258,28 @@ def profile(program: str, shape: str, calls: int, big_mib: float, top: int = 15)
         for _ in range(calls):
             jax.block_until_ready(call())
         jax.profiler.stop_trace()
-        report = analyse(trace_dir, hlo, calls, big_mib, top)
+        if jax.default_backend() == "gpu":
+            report = analyse_gpu(trace_dir, hlo, calls, top)
+        else:
+            report = analyse(trace_dir, hlo, calls, big_mib, top)
     return dict(program=program, shape=shape, calls=calls, untraced_seconds=untraced, **report)
 
 
 def print_report(r: dict) -> None:
+    if "kernels_per_call" in r:  # a GPU trace
+        print(
+            f"{r['program']} on `{r['shape']}`: {r['untraced_seconds'] * 1e3:.1f} ms untraced, "
+            f"{r['window_seconds_per_call'] * 1e3:.1f} ms per traced call, kernels busy "
+            f"{r['kernel_seconds_per_call'] * 1e3:.1f} ms, {r['kernels_per_call']:.0f} kernels per call"
+        )
+        for title, rows in (("HLO op kinds", r["by_kind"]), ("kernels", r["top_kernels"])):
+            print(f"  {title} (ms per call):")
+            for k, v in rows.items():
+                print(f"    {v * 1e3:9.2f}  {k}")
+        print("  slowest ops (ms per call, result shape, JAX op):")
+        for o in r["slowest"]:
+            print(f"    {o['seconds_per_call'] * 1e3:9.2f}  {o['op']}  {o['shape'][:48]}  {o['source'][-70:]}")
+        return
     print(
         f"{r['program']} on `{r['shape']}`: {r['untraced_seconds'] * 1e3:.1f} ms untraced, "
         f"{r['window_seconds_per_call'] * 1e3:.1f} ms per traced call, {r['threads']} threads ran ops, "
@@ -238,7 +302,8 @@ def print_report(r: dict) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--program", choices=PROGRAMS, default="train_step")
-    ap.add_argument("--shape", choices=SHAPES, default="iteration")
+    ap.add_argument("--shape", choices=(*SHAPES, "real"), default="iteration", help="real: issue 40's (accelerators)")
+    ap.add_argument("--max_new_tokens", type=int, default=0, help="the sampler's decode steps (0: the config's)")
     ap.add_argument("--calls", type=int, default=3, help="traced calls (after one warm-up)")
     ap.add_argument("--big-mib", type=float, default=8.0, help="a memory pass writes at least this many MiB")
     ap.add_argument("--top", type=int, default=15, help="op kinds and single ops listed")
@@ -248,7 +313,7 @@ def main():
         ap.error(f"--calls {args.calls}: must be at least 1")
     if args.shape != "tiny":
         refuse_unoptimised(ap, "--shape tiny")
-    r = profile(args.program, args.shape, args.calls, args.big_mib, args.top)
+    r = profile(args.program, args.shape, args.calls, args.big_mib, args.top, args.max_new_tokens)
     print_report(r)
     if args.out:
         Path(args.out).write_text(json.dumps(r, indent=1))

@@ -6,10 +6,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 from pathlib import Path
 
 import jax
 
+from benchmarks.run import accelerator
 from benchmarks.run.costs import critic_cost, diagnostics_cost
 from benchmarks.run.dispatch import moe_dispatch, moe_expert_parallel
 from benchmarks.run.iterations import iteration, iteration_scaling
@@ -19,8 +21,63 @@ from benchmarks.run.step import loss_share, train_mfu
 from benchmarks.run.targets import print_targets
 from gspo_jax.host_memory import reexec_with_huge_pages
 
-SECTIONS = ("peak", "train", "loss", "moe", "sampler", "iteration", "scaling", "diagnostics", "critic")
+SECTIONS = ("peak", "train", "loss", "moe", "sampler", "iteration", "scaling", "diagnostics", "critic", "real")
+ACCELERATOR_SECTIONS = ("real",)  # what runs by default on a GPU or TPU
 RESULTS = Path(__file__).parents[1] / "results.json"
+
+
+def accelerator_versions() -> dict:
+    """The device, driver, CUDA and cuDNN versions JAX reports (on a GPU), and jax/jaxlib's."""
+    import jaxlib
+
+    out = dict(device=jax.devices()[0].device_kind, backend=jax.default_backend(), jaxlib=jaxlib.__version__)
+    try:
+        from jax._src.lib import cuda_versions
+
+        if cuda_versions is not None:
+            out["cuda_runtime"] = cuda_versions.cuda_runtime_get_version()
+            out["cuda_driver"] = cuda_versions.cuda_driver_get_version()
+            out["cudnn"] = cuda_versions.cudnn_get_version()
+    except Exception as e:  # another backend, or a jaxlib without these helpers: recorded, not fatal
+        out["versions_error"] = f"{type(e).__name__}: {e}"
+    try:  # the driver's own version string (JAX reports the CUDA API version it supports)
+        query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        out["nvidia_driver"] = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return out
+
+
+def real_section(repeats: int) -> dict:
+    """The real-dims train and decode steps (`accelerator`); compile-only memory on a CPU."""
+    if jax.default_backend() == "cpu":
+        rows = [accelerator.train_step(d, repeats, 0.0, compile_only=True) for d in ("sparse", "ragged")]
+        for r in rows:
+            print(f"real dims, train step [{r['dispatch']}], compiled: temp {r.get('temp_bytes', 0) / 2**30:.2f} GiB")
+        return dict(train=rows)
+    out = dict(peak_bf16_flops=accelerator.bf16_peak(repeats), copy_bytes_per_s=accelerator.copy_bandwidth(repeats))
+    print(f"bf16 peak {out['peak_bf16_flops'] / 1e12:.0f} TFLOP/s, copy {out['copy_bytes_per_s'] / 1e12:.2f} TB/s")
+    out["train"], out["decode"] = [], []
+    for d in ("grouped", "sparse"):
+        try:
+            r = accelerator.train_step(d, repeats, out["peak_bf16_flops"])
+            print(
+                f"real dims, train step [{d}]: {r['seconds'] * 1e3:.0f} ms for {r['tokens']} tokens, "
+                f"{r['tflops_per_s']:.0f} TFLOP/s, MFU {r['mfu']:.1%}, temp {r.get('temp_bytes', 0) / 2**30:.2f} GiB"
+            )
+        except Exception as e:  # out of memory, or a kernel this device lacks: a row, not a crash
+            r = dict(dispatch=d, error=f"{type(e).__name__}: {str(e)[:400]}")
+            print(f"real dims, train step [{d}]: {r['error']}")
+        out["train"].append(r)
+    for d in ("grouped", "dense", "ragged"):
+        try:
+            r = accelerator.decode_step(d, repeats, out["copy_bytes_per_s"])
+            print(f"real dims, decode step [{d}]: {r['ms_per_step']:.2f} ms (floor {r['floor_ms']:.2f} ms)")
+        except Exception as e:
+            r = dict(dispatch=d, error=f"{type(e).__name__}: {str(e)[:400]}")
+            print(f"real dims, decode step [{d}]: {r['error']}")
+        out["decode"].append(r)
+    return out
 
 
 def main():
@@ -33,12 +90,24 @@ def main():
     tiny = args.size == "tiny"
     if not tiny:
         refuse_unoptimised(ap, "--size tiny")
-    sections = args.only or SECTIONS
+    accel = jax.default_backend() != "cpu"
+    sections = args.only or (ACCELERATOR_SECTIONS if accel else tuple(s for s in SECTIONS if s != "real"))
+    if accel and args.out == str(RESULTS):
+        slug = "".join(ch if ch.isalnum() else "-" for ch in jax.devices()[0].device_kind.lower()).strip("-")
+        args.out = str(RESULTS.with_name(f"results-{slug}.json"))
     repeats = 1 if tiny else args.repeats
     results = dict(machine=machine())
     results["jax"] = jax.__version__
     results["glibc_tunables"] = os.environ.get("GLIBC_TUNABLES", "")  # huge pages or not: see host_memory
     results["jax_disable_most_optimizations"] = bool(jax.config.values["jax_disable_most_optimizations"])
+    if accel:
+        results.update(accelerator_versions())
+    if "real" in sections:
+        results["real"] = real_section(repeats)
+    if accel and not set(sections) - {"real"}:
+        Path(args.out).write_text(json.dumps(results, indent=2, default=float))
+        print(f"wrote {args.out}")
+        return
     results["peak"] = peak(tiny, repeats)
     flops = results["peak"]["flops_per_s"]
     print(f"peak float32 matmul: {flops / 1e9:.1f} GFLOP/s ({results['machine']})")

@@ -1,0 +1,121 @@
+"""The real-dims shape (issue 40): Qwen3-30B-A3B's layer dims with 2 layers, 64 sequences × (512 + 1024)
+tokens per iteration in the size's 4 minibatches. On an accelerator: the bf16 matmul peak, the device
+copy bandwidth, the train step (time, MFU on analytic FLOPs, compiled memory) and the decode step
+against its memory floor (every weight read once at the measured copy bandwidth). On a CPU:
+compile-only memory of the train step per dispatch (XLA's `memory_analysis`)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from benchmarks.run.shapes import iteration_config, pieces, random_batch
+from benchmarks.run.timing import best_time
+from gspo_jax import flops
+from gspo_jax import model as model_lib
+from gspo_jax import programs as programs_lib
+from gspo_jax.config import base_config, build
+from gspo_jax.sampler import Sampler, left_pad
+
+
+def real_dims_config(dispatch: str = "auto", **model):
+    """The qwen3_30b_a3b size at 2 layers on one device: 8 prompts × 8 samples of 512 + 1024 tokens;
+    `model` overrides model fields (e.g. remat="none")."""
+    c = base_config("gspo", "qwen3_30b_a3b")
+    c.model.update(num_layers=2, dispatch=dispatch, **model)
+    c.rollout.update(num_groups=8, group_size=8)
+    c.mesh.update(data=1, fsdp=1, expert=1, tensor=1)
+    return c
+
+
+def bf16_peak(repeats: int) -> float:
+    """FLOP/s of an 8192³ bf16 matmul (1024³ on a CPU)."""
+    n = 1024 if jax.default_backend() == "cpu" else 8192
+    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
+    f = jax.jit(lambda a, b: a @ b)
+    return 2 * n**3 / best_time(lambda: f(a, a), repeats)
+
+
+def copy_bandwidth(repeats: int) -> float:
+    """Bytes read + written per second by a device copy of 1 GiB (64 MiB on a CPU)."""
+    n = (1 << 26 if jax.default_backend() == "cpu" else 1 << 30) // 4
+    a = jnp.ones((n,), jnp.float32)
+    f = jax.jit(lambda a: a * 2)
+    return 2 * 4 * n / best_time(lambda: f(a), repeats)
+
+
+def _memory(compiled) -> dict:
+    m = compiled.memory_analysis()
+    if m is None:
+        return {}
+    return dict(temp_bytes=int(m.temp_size_in_bytes), argument_bytes=int(m.argument_size_in_bytes))
+
+
+def train_step(dispatch: str, repeats: int, peak: float, compile_only: bool = False, **model) -> dict:
+    """One minibatch's train step (16 × 1536 tokens) of the real-dims shape with `dispatch` (and `model`
+    overrides)."""
+    c = real_dims_config(dispatch, **model)
+    built, _, params, programs = pieces(c)
+    B, T = built.batch_size // built.train.minibatches, c.prompt_len + c.max_new_tokens
+    cfg = built.model
+    out = dict(dispatch=dispatch, **model, batch=B, tokens=B * T, flops=flops.train_flops(cfg, B, T))
+    if compile_only:
+        state = programs_lib.abstract_train_state(programs, params)
+        from gspo_jax.train import TrainBatch
+
+        batch = TrainBatch.abstract(built, B, T)
+        out.update(_memory(programs.train_step.lower(state, batch).compile()))
+        return out
+    batch = jax.device_put(random_batch(programs, params, B, c.prompt_len, c.max_new_tokens), programs.batch_shardings)
+    state = programs_lib.init_train_state(programs, params, 0)
+    compiled = programs.train_step.lower(state, batch).compile()
+    out.update(_memory(compiled))
+    box = [state]
+
+    def step():
+        box[0], metrics, _ = compiled(box[0], batch)
+        return metrics
+
+    out["seconds"] = best_time(step, repeats)
+    out["tflops_per_s"] = out["flops"] / out["seconds"] / 1e12
+    out["mfu"] = out["flops"] / out["seconds"] / peak
+    return out
+
+
+def decode_step(
+    dispatch: str, repeats: int, bandwidth: float, steps: int = 64, chunk: int | None = None, shape: str = "real"
+) -> dict:
+    """Milliseconds per decode step: (time of 8 + `steps` new tokens - time of 8) / steps, so the
+    prefill cancels; against the floor of reading every weight once (the embedding table aside: a
+    step gathers B of its rows). `shape` "real": batch 64 after 512-token prompts; "iteration": the
+    race shape of `benchmarks.run.shapes` (width 256, 4 layers, 4 experts; batch 128 after 16 tokens).
+    `chunk`: decode steps per host round trip (`Sampler(decode_chunk=)`; None: the platform's)."""
+    if shape == "real":
+        cfg, B, P = build(real_dims_config(dispatch)).model, 64, 512
+    else:
+        c = iteration_config(shape)
+        c.model.dispatch = dispatch
+        cfg, B, P = build(c).model, c.rollout.num_groups * c.rollout.group_size, c.prompt_len
+    graphdef, state = nnx.split(model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
+    rng = np.random.default_rng(0)
+    prompts, mask = left_pad([rng.integers(4, cfg.vocab_size, P) for _ in range(B)], P)
+    times, used = {}, None
+    for C in (8, 8 + steps):
+        sampler = Sampler(graphdef, cfg, B, P, C, decode_chunk=chunk)
+        used = sampler.decode_chunk
+        times[C] = best_time(lambda s=sampler: s(state, prompts, mask, jax.random.key(0)).tokens, repeats)
+    seconds = (times[8 + steps] - times[8]) / steps
+    itemsize = jnp.dtype(cfg.jnp_param_dtype).itemsize
+    weights = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state)) - cfg.vocab_size * cfg.embed_dim
+    floor = weights * itemsize / bandwidth  # each weight read once, at the copy's bytes (read + write) per second
+    return dict(
+        dispatch=dispatch,
+        shape=shape,
+        batch=B,
+        prompt=P,
+        decode_chunk=used,
+        ms_per_step=seconds * 1e3,
+        floor_ms=floor * 1e3,
+    )
