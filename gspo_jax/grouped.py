@@ -43,6 +43,16 @@ def _tile(t: int, dim: int) -> int:
     return min(t, dim)
 
 
+def _row_tile(m: int) -> int:
+    """megablox's row tile: 128, or the rows rounded up to a multiple of 8 where fewer."""
+    return 128 if m >= 128 else -(-m // 8) * 8
+
+
+def _pad_rows(x_MX, tm: int):
+    """Zero rows up to a multiple of `tm` (megablox needs whole row tiles; they lie past every group)."""
+    return jnp.pad(x_MX, ((0, -x_MX.shape[0] % tm), (0, 0)))
+
+
 def _megablox():
     """megablox's kernel module (the package's `gmm` attribute is its custom-VJP function, not the module)."""
     return importlib.import_module("jax.experimental.pallas.ops.tpu.megablox.gmm")
@@ -57,13 +67,14 @@ def gmm(kernels: str, lhs_MK, rhs_GKN, sizes_G, transpose_rhs: bool = False, out
         return jax.lax.ragged_dot(lhs_MK, rhs, sizes_G, preferred_element_type=jnp.float32).astype(out_dtype)
     if kernels in ("megablox", "interpret"):
         mb = _megablox()
-        m, k = lhs_MK.shape
+        (m, k), tm = lhs_MK.shape, _row_tile(lhs_MK.shape[0])
         n = rhs_GKN.shape[1] if transpose_rhs else rhs_GKN.shape[2]
-        tiling = (_tile(128, m), _tile(128, k), _tile(128, n))
+        tiling = (tm, _tile(128, k), _tile(128, n))
         out = mb.gmm(
-            lhs_MK, rhs_GKN, sizes_G, jnp.float32, tiling, transpose_rhs=transpose_rhs, interpret=kernels == "interpret"
-        )
-        return out.astype(out_dtype)
+            _pad_rows(lhs_MK, tm), rhs_GKN, sizes_G, jnp.float32, tiling, transpose_rhs=transpose_rhs,
+            interpret=kernels == "interpret",
+        )  # fmt: skip
+        return out[:m].astype(out_dtype)
     if kernels == "mosaic_gpu":
         from jax.experimental.pallas.ops.gpu import ragged_dot_mgpu
 
@@ -86,10 +97,11 @@ def tgmm(kernels: str, lhs_MK, rhs_MN, sizes_G):
         out = jax.lax.ragged_dot_general(lhs_MK, rhs_MN, sizes_G, dims, preferred_element_type=jnp.float32)
     elif kernels in ("megablox", "interpret"):
         mb = _megablox()
-        m, k = lhs_MK.shape
-        tiling = (_tile(128, m), _tile(128, k), _tile(128, rhs_MN.shape[1]))
+        k, tm = lhs_MK.shape[1], _row_tile(lhs_MK.shape[0])
+        tiling = (tm, _tile(128, k), _tile(128, rhs_MN.shape[1]))
+        lhs_KM, rhs_MN = _pad_rows(lhs_MK, tm).T, _pad_rows(rhs_MN, tm)
         out = mb.tgmm(
-            lhs_MK.T, rhs_MN, sizes_G, jnp.float32, tiling, num_actual_groups=G, interpret=kernels == "interpret"
+            lhs_KM, rhs_MN, sizes_G, jnp.float32, tiling, num_actual_groups=G, interpret=kernels == "interpret"
         )
     elif kernels == "mosaic_gpu":
         from jax.experimental.pallas.ops.gpu import transposed_ragged_dot_mgpu
