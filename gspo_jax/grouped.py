@@ -38,6 +38,16 @@ def for_platform(platform: str) -> str:
     return {"gpu": "mosaic_gpu", "cuda": "mosaic_gpu", "tpu": "megablox"}.get(platform, "xla")
 
 
+def gpus_have_wgmma() -> bool:
+    """Whether this process's GPUs are Hopper or newer (compute capability >= 9.0), which the Mosaic GPU
+    kernels need; True where none is visible (a compile for a GPU elsewhere assumes one)."""
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:  # no GPU backend in this process
+        return True
+    return all(int(str(getattr(d, "compute_capability", "9.0")).split(".")[0]) >= 9 for d in devices)
+
+
 def _tile(t: int, dim: int) -> int:
     """A megablox tile for a dimension: `t`, or the whole dimension where it is smaller."""
     return min(t, dim)

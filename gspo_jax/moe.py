@@ -31,16 +31,16 @@ def resolve_dispatch(dispatch: str, platform: str, dtype=jnp.bfloat16) -> str:
     """The one `dispatch="auto"` rule, by platform and compute dtype:
     - CPU: "sparse" (the block loop): loops are cheap there and XLA:CPU has no grouped kernels;
     - TPU: "grouped" (megablox kernels);
-    - GPU: "grouped" (Mosaic GPU kernels) in 16-bit compute; "dense" in float32, which Hopper's wgmma
-      kernels do not take (a float32 model on a GPU is a small one: E/K times the routed FLOPs in one
-      einsum beats a serial block loop).
+    - GPU: "grouped" (Mosaic GPU kernels) in 16-bit compute on Hopper or newer; "dense" in float32,
+      which the kernels' wgmma does not take (a float32 model on a GPU is a small one: E/K times the
+      routed FLOPs in one einsum beats a serial block loop), and on older GPUs, which lack wgmma.
     On an H100 at Qwen3-30B-A3B's expert dims the grouped training pass runs 4.8x the sparse loop and
     its decode step 1.8x the dense path (`benchmarks/moe_kernels.py`). Any other value is kept."""
     if dispatch != "auto":
         return dispatch
     if platform == "cpu":
         return "sparse"
-    if platform in ("gpu", "cuda") and jnp.dtype(dtype).itemsize > 2:
+    if platform in ("gpu", "cuda") and (jnp.dtype(dtype).itemsize > 2 or not grouped.gpus_have_wgmma()):
         return "dense"
     return "grouped"
 
@@ -54,6 +54,11 @@ def experts_fn(dispatch: str, platform: str, dtype=jnp.bfloat16):
             raise ValueError(
                 f"MoE: dispatch='grouped' on a GPU needs a 16-bit compute dtype (bfloat16 or float16), not "
                 f"{jnp.dtype(dtype).name}: the Mosaic GPU kernels' wgmma takes no float32; use dispatch='auto'"
+            )
+        if kernels == "mosaic_gpu" and not grouped.gpus_have_wgmma():
+            raise ValueError(
+                "MoE: dispatch='grouped' on a GPU needs compute capability 9.0 or newer (Hopper: the Mosaic GPU "
+                "kernels use wgmma); use dispatch='auto'"
             )
         return functools.partial(grouped.grouped_experts, kernels=kernels)
     return {"dense": dense_experts, "ragged": ragged_experts, "sparse": sparse_experts}[dispatch]

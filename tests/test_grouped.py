@@ -82,6 +82,14 @@ def test_the_auto_rule(platform, dtype, want):
     assert moe.resolve_dispatch("ragged", platform, dtype) == "ragged"  # an explicit choice is kept
 
 
+def test_gpus_without_wgmma_get_dense_and_a_named_refusal(monkeypatch):
+    monkeypatch.setattr(grouped, "gpus_have_wgmma", lambda: False)  # e.g. an A100 (compute capability 8.0)
+    assert moe.resolve_dispatch("auto", "gpu", jnp.bfloat16) == "dense"
+    assert moe.resolve_dispatch("auto", "tpu", jnp.bfloat16) == "grouped"
+    with pytest.raises(ValueError, match="compute capability 9.0"):
+        moe.experts_fn("grouped", "gpu", jnp.bfloat16)
+
+
 def test_grouped_float32_on_a_gpu_is_refused_by_name():
     with pytest.raises(ValueError, match="dispatch='grouped'.*float32"):
         moe.experts_fn("grouped", "gpu", jnp.float32)
