@@ -11,6 +11,7 @@ from pathlib import Path
 
 import jax
 
+from benchmarks.moe_kernels import copy_bandwidth, peak_bf16  # the same peak and bandwidth as moe_kernels'
 from benchmarks.run import accelerator
 from benchmarks.run.costs import critic_cost, diagnostics_cost
 from benchmarks.run.dispatch import moe_dispatch, moe_expert_parallel
@@ -55,7 +56,7 @@ def real_section(repeats: int) -> dict:
         for r in rows:
             print(f"real dims, train step [{r['dispatch']}], compiled: temp {r.get('temp_bytes', 0) / 2**30:.2f} GiB")
         return dict(train=rows)
-    out = dict(peak_bf16_flops=accelerator.bf16_peak(repeats), copy_bytes_per_s=accelerator.copy_bandwidth(repeats))
+    out = dict(peak_bf16_flops=peak_bf16(repeats), copy_bytes_per_s=copy_bandwidth(repeats))
     print(f"bf16 peak {out['peak_bf16_flops'] / 1e12:.0f} TFLOP/s, copy {out['copy_bytes_per_s'] / 1e12:.2f} TB/s")
     out["train"], out["decode"] = [], []
     for d in ("grouped", "sparse"):

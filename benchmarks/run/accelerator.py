@@ -1,7 +1,7 @@
 """The real-dims shape (issue 40): Qwen3-30B-A3B's layer dims with 2 layers, 64 sequences × (512 + 1024)
-tokens per iteration in the size's 4 minibatches. On an accelerator: the bf16 matmul peak, the device
-copy bandwidth, the train step (time, MFU on analytic FLOPs, compiled memory) and the decode step
-against its memory floor (every weight read once at the measured copy bandwidth). On a CPU:
+tokens per iteration in the size's 4 minibatches. On an accelerator: the train step (time, MFU on
+analytic FLOPs against `benchmarks.moe_kernels.peak_bf16`, compiled memory) and the decode step against
+its memory floor (every weight read once at the measured copy bandwidth). On a CPU:
 compile-only memory of the train step per dispatch (XLA's `memory_analysis`)."""
 
 from __future__ import annotations
@@ -28,22 +28,6 @@ def real_dims_config(dispatch: str = "auto", **model):
     c.rollout.update(num_groups=8, group_size=8)
     c.mesh.update(data=1, fsdp=1, expert=1, tensor=1)
     return c
-
-
-def bf16_peak(repeats: int) -> float:
-    """FLOP/s of an 8192³ bf16 matmul (1024³ on a CPU)."""
-    n = 1024 if jax.default_backend() == "cpu" else 8192
-    a = jax.random.normal(jax.random.key(0), (n, n), jnp.bfloat16)
-    f = jax.jit(lambda a, b: a @ b)
-    return 2 * n**3 / best_time(lambda: f(a, a), repeats)
-
-
-def copy_bandwidth(repeats: int) -> float:
-    """Bytes read + written per second by a device copy of 1 GiB (64 MiB on a CPU)."""
-    n = (1 << 26 if jax.default_backend() == "cpu" else 1 << 30) // 4
-    a = jnp.ones((n,), jnp.float32)
-    f = jax.jit(lambda a: a * 2)
-    return 2 * 4 * n / best_time(lambda: f(a), repeats)
 
 
 def _memory(compiled) -> dict:
