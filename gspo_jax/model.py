@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental.layout import Layout, with_layout_constraint
 
-from gspo_jax import compiles, moe, sharding
+from gspo_jax import compiles, flash, moe, sharding
 from gspo_jax.losses import sequence_logprobs_from_hidden
 from gspo_jax.validation import check, check_choice, check_int, check_number
 
@@ -387,6 +387,11 @@ class Attention(nnx.Module):
         q_slot_T = jnp.arange(T, dtype=jnp.int32)
         Q = cfg.num_heads // cfg.num_kv_heads
         q_BTJQW = q_BTHW.reshape(B, T, cfg.num_kv_heads, Q, cfg.head_dim)
+        fused = flash.implementation(sharding.platform(), dtype) if kv is None else None
+        if fused is not None:  # a chunk within itself on a GPU: cuDNN's flash attention
+            out_BTHW = flash.attend(q_BTHW, k_BTJW, v_BTJW, positions_BT, implementation=fused)
+            new_kv = (k_BTJW, v_BTJW) if return_kv else None
+            return jnp.einsum("bthw,hwd->btd", out_BTHW, self.o_proj[...].astype(dtype)), new_kv
         if kv is None:
             keys, vals, key_pos_BS, k_slot_S = k_BTJW, v_BTJW, positions_BT, q_slot_T
             new_kv = (k_BTJW, v_BTJW) if return_kv else None
@@ -489,8 +494,17 @@ class Stack(nnx.Module):
 
         self.layer = build(rngs)
 
-    def __call__(self, x_BTD, positions_BT, rope, kvs=None, forced_nBTK=None, router_logits=False, return_kv=False):
-        """Returns (x, new per-layer kvs or None, router stats stacked over the n layers or None)."""
+    def layer_params(self) -> list:
+        """Each layer's parameters, sliced from the stack: a sampler takes them once, before its decode
+        loop (`Transformer.decode_layers`), so no decode step copies a layer out of the stack."""
+        params = nnx.split(self.layer)[1]
+        return [jax.tree.map(lambda a, j=j: a[j], params) for j in range(self.n)]
+
+    def __call__(
+        self, x_BTD, positions_BT, rope, kvs=None, forced_nBTK=None, router_logits=False, return_kv=False, layers=None
+    ):
+        """Returns (x, new per-layer kvs or None, router stats stacked over the n layers or None).
+        `layers`: `layer_params()` taken earlier (decoding with a cache only)."""
         graphdef, params = nnx.split(self.layer)
 
         def one(x_BTD, p, kv, forced_BTK):
@@ -504,10 +518,14 @@ class Stack(nnx.Module):
             outs = []
             for j in range(self.n):
                 forced = None if forced_nBTK is None else forced_nBTK[j]
-                # Behind a barrier, XLA hoists the layer's slice out of the sampler's decode loop (a
-                # slice alone is "not worth hoisting", and XLA:CPU copies it): sliced once per rollout,
-                # not once per generated token (`benchmarks/profile.py --program sampler`).
-                p_j = jax.tree.map(lambda a, j=j: jax.lax.optimization_barrier(a[j]), params)
+                # Behind a barrier XLA:CPU hoists a slice out of a decode loop (alone it is "not worth
+                # hoisting" and is copied every step); XLA:GPU copied it every step even so (issue 40:
+                # 1.6 of 3.4 ms per step at the real dims), hence `layers`.
+                p_j = (
+                    layers[j]
+                    if layers is not None
+                    else jax.tree.map(lambda a, j=j: jax.lax.optimization_barrier(a[j]), params)
+                )
                 x_BTD, new_kv, s = one(x_BTD, p_j, kvs[j], forced)
                 outs.append((new_kv, s))
             return x_BTD, [kv for kv, _ in outs], stack(*[s for _, s in outs]) if self.is_moe else None
@@ -549,10 +567,15 @@ class Transformer(nnx.Module):
         cache: KVCache | None = None,
         forced_topk: jax.Array | None = None,
         return_router_logits: bool = False,
+        layers: list | None = None,
     ) -> tuple[jax.Array, ModelAux]:
-        """float32 logits [B, T, V] and `ModelAux`; see `apply`."""
-        x_BTD, aux = self.hidden(tokens_BT, positions_BT, cache, forced_topk, return_router_logits)
+        """float32 logits [B, T, V] and `ModelAux`; see `apply`. `layers`: `decode_layers()`."""
+        x_BTD, aux = self.hidden(tokens_BT, positions_BT, cache, forced_topk, return_router_logits, layers=layers)
         return self.logits(x_BTD), aux
+
+    def decode_layers(self) -> list:
+        """Every stack's layers sliced out once (`Stack.layer_params`), for the decode steps of a loop."""
+        return [stack.layer_params() for stack in self.stacks]
 
     def head(self) -> jax.Array:
         """The LM head [D, V] in the compute dtype (the embedding, transposed, when tied)."""
@@ -571,6 +594,7 @@ class Transformer(nnx.Module):
         forced_topk: jax.Array | None = None,
         return_router_logits: bool = False,
         empty_cache: bool = False,
+        layers: list | None = None,
     ) -> tuple[jax.Array, ModelAux]:
         """The final (normed) hidden states [B, T, D] before the LM head, and `ModelAux`. `empty_cache`:
         the cache holds nothing to attend to (a sampler's prefill: every slot's position is -1), so
@@ -591,7 +615,7 @@ class Transformer(nnx.Module):
             new_k, new_v = [], []
         rope = rope_table(positions_BT, cfg.head_dim, cfg.rope_theta)
         stats, moe_seen = [], 0  # stats: per MoE stack, RouterOutput stacked [n, ...]
-        for stack, (first, n) in zip(self.stacks, cfg.layer_runs):
+        for i_stack, (stack, (first, n)) in enumerate(zip(self.stacks, cfg.layer_runs)):
             kvs = None
             if cache is not None and not empty_cache:
                 kvs = [(cache.k[i], cache.v[i], key_pos_BS, index) for i in range(first, first + n)]
@@ -599,7 +623,10 @@ class Transformer(nnx.Module):
             if forced_topk is not None and stack.is_moe:
                 forced = forced_topk[:, moe_seen : moe_seen + n].transpose(1, 0, 2, 3)
             fill = cache is not None and empty_cache
-            x_BTD, kvs, s = stack(x_BTD, positions_BT, rope, kvs, forced, return_router_logits, return_kv=fill)
+            stack_layers = None if layers is None or kvs is None else layers[i_stack]
+            x_BTD, kvs, s = stack(
+                x_BTD, positions_BT, rope, kvs, forced, return_router_logits, return_kv=fill, layers=stack_layers
+            )
             if fill:  # this chunk's keys/values [B, T, J, W] into each layer's cache at `index`
                 kvs = [
                     (write_kv(cache.k[i], k, index), write_kv(cache.v[i], v, index))

@@ -150,6 +150,7 @@ def _generate(
     logits_BV, prompt_topk, cache = _prefill(model, prompt_BP, pos_BP, cache)
     n_prompt_B = jnp.sum(prompt_mask_BP, axis=-1).astype(jnp.int32)
     _, L, _, K = prompt_topk.shape
+    layers = model.decode_layers()  # sliced from the stacks once per call, outside the loop
 
     def cond(d: DecodeState):
         return (d.step < C) & ~jnp.all(d.done)
@@ -161,7 +162,7 @@ def _generate(
         live_B = ~d.done
         tok_B = jnp.where(live_B, tok_B, pad_id)
         is_eos_B = jnp.any(tok_B[:, None] == eos_ids[None, :], axis=-1) & live_B
-        logits_B1V, step_aux = model(tok_B[:, None], (n_prompt_B + i)[:, None], cache=d.cache)
+        logits_B1V, step_aux = model(tok_B[:, None], (n_prompt_B + i)[:, None], cache=d.cache, layers=layers)
         col = lambda buf_BC, x_B: jax.lax.dynamic_update_slice_in_dim(buf_BC, x_B[:, None], i, axis=1)
         return DecodeState(
             step=i + 1,
