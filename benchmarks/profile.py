@@ -215,7 +215,9 @@ def analyse_gpu(trace_dir: str, hlo: str, calls: int, top: int = 15) -> dict:
     for plane in data.planes:
         if not plane.name.startswith("/device:GPU"):
             continue
-        for line in plane.lines:
+        lines = list(plane.lines)
+        has_ops_line = any(line.name == "XLA Ops" for line in lines)
+        for line in lines:
             events = list(line.events)
             if line.name == "XLA Ops":
                 for e in events:
@@ -224,6 +226,10 @@ def analyse_gpu(trace_dir: str, hlo: str, calls: int, top: int = 15) -> dict:
                 for e in events:
                     kernels[e.name[:80]] += e.duration_ns / 1e9
                     n_kernels += 1
+                    if not has_ops_line:  # jax 0.11's traces: the kernel's HLO op is one of its stats
+                        op = dict(e.stats).get("hlo_op")
+                        if op:
+                            by_op[str(op)] += e.duration_ns / 1e9
                     span = [min(span[0], e.start_ns), max(span[1], e.start_ns + e.duration_ns)]
     if not kernels:
         raise RuntimeError("no GPU kernel events in the trace")
