@@ -30,12 +30,18 @@ KERNELS = ("mosaic_gpu", "megablox", "interpret", "xla")
 # program along n). `benchmarks/moe_kernels.py --tiles` measures others.
 GPU_TILES = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
 GPU_TGMM_TILES = dict(block_m=128, block_n=128, block_k=64, max_concurrent_steps=4, grid_block_n=1)
+GPU_DIM_MULTIPLE = 128  # D and F in whole tiles: gmm contracts over both (block_k), tgmm tiles both (128)
 GPU_DECODE_ROWS = 4096  # up to this many rows (a decode step's B·K), 64-row tiles: less padding per expert
 
 
 def for_platform(platform: str) -> str:
     """The kernels a platform runs: mosaic_gpu on "gpu" (CUDA), megablox on "tpu", the reference elsewhere."""
     return {"gpu": "mosaic_gpu", "cuda": "mosaic_gpu", "tpu": "megablox"}.get(platform, "xla")
+
+
+def gpu_dims_fit(dims: tuple[int, int] | None) -> bool:
+    """Whether the model and expert widths (D, F) are whole tiles of the Mosaic GPU kernels (None: unknown, yes)."""
+    return dims is None or all(int(d) % GPU_DIM_MULTIPLE == 0 for d in dims)
 
 
 def gpus_have_wgmma() -> bool:

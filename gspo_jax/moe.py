@@ -27,29 +27,38 @@ from gspo_jax.validation import check, check_choice
 DISPATCHES = ("auto", "sparse", "grouped", "dense", "ragged")
 
 
-def resolve_dispatch(dispatch: str, platform: str, dtype=jnp.bfloat16) -> str:
+def resolve_dispatch(dispatch: str, platform: str, dtype=jnp.bfloat16, dims: tuple[int, int] | None = None) -> str:
     """The one `dispatch="auto"` rule, by platform and compute dtype:
     - CPU: "sparse" (the block loop): loops are cheap there and XLA:CPU has no grouped kernels;
     - TPU: "grouped" (megablox kernels);
     - GPU: "grouped" (Mosaic GPU kernels) in 16-bit compute on Hopper or newer; "dense" in float32,
       which the kernels' wgmma does not take (a float32 model on a GPU is a small one: E/K times the
-      routed FLOPs in one einsum beats a serial block loop), and on older GPUs, which lack wgmma.
+      routed FLOPs in one einsum beats a serial block loop), on older GPUs, which lack wgmma, and
+      where the model or expert width (`dims`, (D, F)) is not whole 128-wide tiles of the kernels.
     On an H100 at Qwen3-30B-A3B's expert dims the grouped training pass runs 4.8x the sparse loop and
     its decode step 1.8x the dense path (`benchmarks/moe_kernels.py`). Any other value is kept."""
     if dispatch != "auto":
         return dispatch
     if platform == "cpu":
         return "sparse"
-    if platform in ("gpu", "cuda") and (jnp.dtype(dtype).itemsize > 2 or not grouped.gpus_have_wgmma()):
+    if platform in ("gpu", "cuda") and (
+        jnp.dtype(dtype).itemsize > 2 or not grouped.gpus_have_wgmma() or not grouped.gpu_dims_fit(dims)
+    ):
         return "dense"
     return "grouped"
 
 
-def experts_fn(dispatch: str, platform: str, dtype=jnp.bfloat16):
-    """The experts function (x, topk, gates, w_gate, w_up, w_down) -> y of a dispatch on a platform."""
-    dispatch = resolve_dispatch(dispatch, platform, dtype)
+def experts_fn(dispatch: str, platform: str, dtype=jnp.bfloat16, dims: tuple[int, int] | None = None):
+    """The experts function (x, topk, gates, w_gate, w_up, w_down) -> y of a dispatch on a platform;
+    `dims`: the model and expert widths (D, F), where known."""
+    dispatch = resolve_dispatch(dispatch, platform, dtype, dims)
     if dispatch == "grouped":
         kernels = grouped.for_platform(platform)
+        if kernels == "mosaic_gpu" and not grouped.gpu_dims_fit(dims):
+            raise ValueError(
+                f"MoE: dispatch='grouped' on a GPU needs model.embed_dim and model.moe_mlp_dim in multiples of "
+                f"{grouped.GPU_DIM_MULTIPLE} (the Mosaic GPU kernels' tiles), not {dims}; use dispatch='auto'"
+            )
         if kernels == "mosaic_gpu" and jnp.dtype(dtype).itemsize > 2:
             raise ValueError(
                 f"MoE: dispatch='grouped' on a GPU needs a 16-bit compute dtype (bfloat16 or float16), not "
@@ -484,7 +493,8 @@ class MoE(nnx.Module):
         """Mixes each token's top-k experts; `valid_BT` masks padding out of the aux losses."""
         logits_BTE = jnp.einsum("btd,de->bte", x_BTD.astype(jnp.float32), self.router[...].astype(jnp.float32))
         topk_BTK, gates_BTK, probs_BTE = route(logits_BTE, self.top_k, self.renormalize, forced_topk_BTK)
-        experts = experts_fn(self.dispatch, sharding.platform(), self.dtype)
+        dims = self.gate_proj.shape[1:]  # (D, F)
+        experts = experts_fn(self.dispatch, sharding.platform(), self.dtype, dims)
         mesh = jax.sharding.get_abstract_mesh()
         if not mesh.empty and mesh.shape["expert"] > 1:  # traced `sharding.under_mesh` an expert-parallel mesh
             experts = functools.partial(expert_parallel, experts, mesh)

@@ -90,6 +90,15 @@ def test_gpus_without_wgmma_get_dense_and_a_named_refusal(monkeypatch):
         moe.experts_fn("grouped", "gpu", jnp.bfloat16)
 
 
+def test_widths_that_are_not_whole_gpu_tiles_get_dense_and_a_named_refusal():
+    # The tiny preset's experts (D=64, F=32) on a GPU: the Mosaic GPU kernels need multiples of 128.
+    assert moe.resolve_dispatch("auto", "gpu", jnp.bfloat16, (64, 32)) == "dense"
+    assert moe.resolve_dispatch("auto", "gpu", jnp.bfloat16, (2048, 768)) == "grouped"
+    assert moe.resolve_dispatch("auto", "tpu", jnp.bfloat16, (64, 32)) == "grouped"  # megablox pads its tiles
+    with pytest.raises(ValueError, match="model.embed_dim and model.moe_mlp_dim in multiples of 128"):
+        moe.experts_fn("grouped", "gpu", jnp.bfloat16, (2048, 96))
+
+
 def test_grouped_float32_on_a_gpu_is_refused_by_name():
     with pytest.raises(ValueError, match="dispatch='grouped'.*float32"):
         moe.experts_fn("grouped", "gpu", jnp.float32)
