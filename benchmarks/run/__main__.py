@@ -15,15 +15,16 @@ from benchmarks.moe_kernels import copy_bandwidth, peak_bf16  # the same peak an
 from benchmarks.run import accelerator
 from benchmarks.run.costs import critic_cost, diagnostics_cost
 from benchmarks.run.dispatch import moe_dispatch, moe_expert_parallel
-from benchmarks.run.iterations import iteration, iteration_scaling
+from benchmarks.run.iterations import iteration, iteration_scaling, race_iteration
 from benchmarks.run.machine import machine, peak, refuse_unoptimised
 from benchmarks.run.sampler import sampler_throughput
+from benchmarks.run.shapes import iteration_config
 from benchmarks.run.step import loss_share, train_mfu
 from benchmarks.run.targets import print_targets
 from gspo_jax.host_memory import reexec_with_huge_pages
 
-SECTIONS = ("peak", "train", "loss", "moe", "sampler", "iteration", "scaling", "diagnostics", "critic", "real")
-ACCELERATOR_SECTIONS = ("real",)  # what runs by default on a GPU or TPU
+SECTIONS = ("peak", "train", "loss", "moe", "sampler", "iteration", "scaling", "diagnostics", "critic", "real", "race")
+ACCELERATOR_SECTIONS = ("real", "race")  # what runs by default on a GPU or TPU
 RESULTS = Path(__file__).parents[1] / "results.json"
 
 
@@ -59,7 +60,9 @@ def real_section(repeats: int) -> dict:
     out = dict(peak_bf16_flops=peak_bf16(repeats), copy_bytes_per_s=copy_bandwidth(repeats))
     print(f"bf16 peak {out['peak_bf16_flops'] / 1e12:.0f} TFLOP/s, copy {out['copy_bytes_per_s'] / 1e12:.2f} TB/s")
     out["train"], out["decode"] = [], []
-    for d in ("grouped", "sparse"):
+    # The default dispatch (what `auto` picks here), and the all-expert path as the decode's alternative;
+    # last session's sparse (597 ms) and ragged (4.50 ms) rows: docs/BENCHMARKS.md.
+    for d in ("auto",):
         try:
             r = accelerator.train_step(d, repeats, out["peak_bf16_flops"])
             print(
@@ -70,7 +73,7 @@ def real_section(repeats: int) -> dict:
             r = dict(dispatch=d, error=f"{type(e).__name__}: {str(e)[:400]}")
             print(f"real dims, train step [{d}]: {r['error']}")
         out["train"].append(r)
-    for d in ("grouped", "dense", "ragged"):
+    for d in ("auto", "dense"):
         try:
             r = accelerator.decode_step(d, repeats, out["copy_bytes_per_s"])
             print(f"real dims, decode step [{d}]: {r['ms_per_step']:.2f} ms (floor {r['floor_ms']:.2f} ms)")
@@ -105,7 +108,10 @@ def main():
         results.update(accelerator_versions())
     if "real" in sections:
         results["real"] = real_section(repeats)
-    if accel and not set(sections) - {"real"}:
+    if "race" in sections:  # the race shape's iteration (`benchmarks/trl_race.py` runs TRL's beside it)
+        results["race"] = r = race_iteration(iteration_config("tiny" if tiny else "iteration"))
+        print(f"race shape, one iteration: {r['seconds'] * 1e3:.0f} ms, split {r['split']}")
+    if accel and not set(sections) - {"real", "race"}:
         Path(args.out).write_text(json.dumps(results, indent=2, default=float))
         print(f"wrote {args.out}")
         return

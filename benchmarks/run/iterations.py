@@ -85,6 +85,17 @@ def iteration(tiny: bool, repeats: int) -> dict:
     return out
 
 
+def race_iteration(c) -> dict:
+    """The race (issue 40): config `c` run with drift on, one iteration as the mean wall time between the
+    metrics rows of steps 2..5 (compiled, not the last), and its split."""
+    c = c.copy_and_resolve_references()
+    c.train.update(drift_metrics=True, drift_subsample=1, num_iterations=6)
+    rows, _ = _run_iterations(c, cold=False)
+    warm = [r for r in rows if 2 <= r["step"] <= 5]
+    wall = [b["time"] - a["time"] for a, b in zip(rows[1:], rows[2:]) if 2 <= b["step"] <= 5]
+    return dict(seconds=float(np.mean(wall)), split={k: float(np.mean([r[k] for r in warm])) for k in SPLIT})
+
+
 def median_iteration(c) -> dict:
     """A whole run of config `c`: the median wall time of its compiled iterations (2 .. the one before
     the last, which evaluates) and the median of each part of the split."""
