@@ -19,10 +19,12 @@ import jax
 import jax.numpy as jnp
 
 
-def implementation(platform: str, dtype) -> str | None:
-    """The fused kernel for a chunk's attention: "cudnn" on a GPU in bf16/f16 (cuDNN's flash attention
-    takes no float32), else None (the einsum path)."""
-    if platform in ("gpu", "cuda") and jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16)):
+def implementation(platform: str, dtype, head_dim: int = 128) -> str | None:
+    """The fused kernel for a chunk's attention: "cudnn" on a GPU in bf16/f16 with a head width cuDNN's
+    flash kernels take (a multiple of 8, at most 128: the widths measured), else None (the einsum
+    path; cuDNN's flash attention takes no float32)."""
+    sixteen_bit = jnp.dtype(dtype) in (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+    if platform in ("gpu", "cuda") and sixteen_bit and head_dim % 8 == 0 and head_dim <= 128:
         return "cudnn"
     return None
 

@@ -387,7 +387,7 @@ class Attention(nnx.Module):
         q_slot_T = jnp.arange(T, dtype=jnp.int32)
         Q = cfg.num_heads // cfg.num_kv_heads
         q_BTJQW = q_BTHW.reshape(B, T, cfg.num_kv_heads, Q, cfg.head_dim)
-        fused = flash.implementation(sharding.platform(), dtype) if kv is None else None
+        fused = flash.implementation(sharding.platform(), dtype, cfg.head_dim) if kv is None else None
         if fused is not None:  # a chunk within itself on a GPU: cuDNN's flash attention
             out_BTHW = flash.attend(q_BTHW, k_BTJW, v_BTJW, positions_BT, implementation=fused)
             new_kv = (k_BTJW, v_BTJW) if return_kv else None

@@ -36,7 +36,8 @@ def resolve_dispatch(dispatch: str, platform: str, dtype=jnp.bfloat16, dims: tup
       routed FLOPs in one einsum beats a serial block loop), on older GPUs, which lack wgmma, and
       where the model or expert width (`dims`, (D, F)) is not whole 128-wide tiles of the kernels.
     On an H100 at Qwen3-30B-A3B's expert dims the grouped training pass runs 4.8x the sparse loop and
-    its decode step 1.8x the dense path (`benchmarks/moe_kernels.py`). Any other value is kept."""
+    its decode step 1.8x the dense path (`benchmarks/moe_kernels.py`; the real-dims sampler's step 1.6x,
+    `benchmarks.run`). Any other value is kept."""
     if dispatch != "auto":
         return dispatch
     if platform == "cpu":

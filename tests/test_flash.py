@@ -36,7 +36,7 @@ def test_fused_attention_equals_the_einsum_path_values_and_gradients(monkeypatch
     cfg = model_lib.get_config("tiny", vocab_size=64)  # grouped-query: 4 heads over 2 key/value heads
     tokens, real, positions = batch()
     (want_loss, want_logits), want_grads = loss_and_grads(cfg, tokens, real, positions)
-    monkeypatch.setattr(flash, "implementation", lambda platform, dtype: "xla")
+    monkeypatch.setattr(flash, "implementation", lambda platform, dtype, head_dim: "xla")
     (loss, logits), grads = loss_and_grads(cfg, tokens, real, positions)
     np.testing.assert_allclose(
         np.asarray(logits)[np.asarray(real)], np.asarray(want_logits)[np.asarray(real)], atol=2e-5
@@ -58,9 +58,12 @@ def test_padded_queries_read_nothing_and_pass_no_gradient():
         assert np.all(np.isfinite(g)) and np.all(np.asarray(g)[~np.asarray(real)] == 0.0)
 
 
-def test_the_fused_kernel_is_cudnn_on_a_gpu_in_16_bits_only():
+def test_the_fused_kernel_is_cudnn_on_a_gpu_in_16_bits_at_head_widths_it_takes():
     assert flash.implementation("gpu", jnp.bfloat16) == "cudnn"
     assert flash.implementation("gpu", jnp.float16) == "cudnn"
     assert flash.implementation("gpu", jnp.float32) is None  # cuDNN's flash kernel takes no float32
     assert flash.implementation("cpu", jnp.bfloat16) is None
     assert flash.implementation("tpu", jnp.bfloat16) is None
+    assert flash.implementation("gpu", jnp.bfloat16, head_dim=64) == "cudnn"
+    assert flash.implementation("gpu", jnp.bfloat16, head_dim=12) is None  # not a multiple of 8
+    assert flash.implementation("gpu", jnp.bfloat16, head_dim=256) is None  # wider than measured

@@ -95,7 +95,9 @@ def main():
     if not tiny:
         refuse_unoptimised(ap, "--size tiny")
     accel = jax.default_backend() != "cpu"
-    sections = args.only or (ACCELERATOR_SECTIONS if accel else tuple(s for s in SECTIONS if s != "real"))
+    sections = args.only or (
+        ACCELERATOR_SECTIONS if accel else tuple(s for s in SECTIONS if s not in ACCELERATOR_SECTIONS)
+    )
     if accel and args.out == str(RESULTS):
         slug = "".join(ch if ch.isalnum() else "-" for ch in jax.devices()[0].device_kind.lower()).strip("-")
         args.out = str(RESULTS.with_name(f"results-{slug}.json"))
