@@ -56,7 +56,13 @@ def real_section(repeats: int) -> dict:
         rows = [accelerator.train_step(d, repeats, 0.0, compile_only=True) for d in ("sparse", "ragged")]
         for r in rows:
             print(f"real dims, train step [{r['dispatch']}], compiled: temp {r.get('temp_bytes', 0) / 2**30:.2f} GiB")
-        return dict(train=rows)
+        decode = [accelerator.decode_step_bytes(d) for d in ("dense", "sparse")]
+        for r in decode:
+            print(
+                f"real dims, decode step [{r['dispatch']}], compiled: {r['bytes_accessed'] / 1e9:.2f} GB accessed, "
+                f"{r['ratio']:.2f}x the {r['weight_bytes'] / 1e9:.2f} GB of weights it must read"
+            )
+        return dict(train=rows, decode=decode)
     out = dict(peak_bf16_flops=peak_bf16(repeats), copy_bytes_per_s=copy_bandwidth(repeats))
     print(f"bf16 peak {out['peak_bf16_flops'] / 1e12:.0f} TFLOP/s, copy {out['copy_bytes_per_s'] / 1e12:.2f} TB/s")
     out["train"], out["decode"] = [], []

@@ -2,7 +2,8 @@
 tokens per iteration in the size's 4 minibatches. On an accelerator: the train step (time, MFU on
 analytic FLOPs against `benchmarks.moe_kernels.peak_bf16`, compiled memory) and the decode step against
 its memory floor (every weight read once at the measured copy bandwidth). On a CPU:
-compile-only memory of the train step per dispatch (XLA's `memory_analysis`)."""
+compile-only memory of the train step per dispatch (XLA's `memory_analysis`), and the decode step's
+bytes accessed (XLA's `cost_analysis`) against the weight bytes it must read."""
 
 from __future__ import annotations
 
@@ -91,9 +92,9 @@ def decode_step(
         used = sampler.decode_chunk
         times[C] = best_time(lambda s=sampler: s(state, prompts, mask, jax.random.key(0)).tokens, repeats)
     seconds = (times[8 + steps] - times[8]) / steps
-    itemsize = jnp.dtype(cfg.jnp_param_dtype).itemsize
-    weights = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state)) - cfg.vocab_size * cfg.embed_dim
-    floor = weights * itemsize / bandwidth  # each weight read once, at the copy's bytes (read + write) per second
+    floor = (
+        _weight_bytes(cfg, state) / bandwidth
+    )  # each weight read once, at the copy's bytes (read + write) per second
     return dict(
         dispatch=dispatch,
         shape=shape,
@@ -103,3 +104,33 @@ def decode_step(
         ms_per_step=seconds * 1e3,
         floor_ms=floor * 1e3,
     )
+
+
+def _weight_bytes(cfg, state) -> int:
+    """Bytes a decode step must read: every weight once, the embedding table aside (B rows gathered)."""
+    n = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(state)) - cfg.vocab_size * cfg.embed_dim
+    return n * jnp.dtype(cfg.jnp_param_dtype).itemsize
+
+
+def decode_step_bytes(dispatch: str, batch: int = 64, prompt: int = 512, new: int = 1024, sliced: bool = True) -> dict:
+    """One decode step of the real-dims model (batch 64, a cache of 512 + 1,024 slots) compiled for
+    this host, nothing run: XLA's bytes accessed against the weight bytes. The layers come sliced, as
+    the sampler's loop gets them (`Transformer.decode_layers`). XLA counts a loop's body once, so a
+    dispatch that loops over expert blocks (`sparse`) is under-counted; `dense` reads every expert.
+    `sliced=False`: the step slices each layer out of the stacks itself (what XLA:GPU did every step)."""
+    cfg = build(real_dims_config(dispatch)).model
+    graphdef, state = model_lib.abstract_model(cfg)
+    layers = jax.eval_shape(lambda s: nnx.merge(graphdef, s).decode_layers(), state)
+    cache = jax.eval_shape(lambda: model_lib.init_cache(cfg, batch, prompt + new))
+    tok = jax.ShapeDtypeStruct((batch, 1), jnp.int32)
+
+    def step(state, layers, cache, tokens, positions):
+        logits, aux = nnx.merge(graphdef, state)(tokens, positions, cache=cache, layers=layers if sliced else None)
+        return logits, aux.cache
+
+    compiled = jax.jit(step, donate_argnums=2).lower(state, layers, cache, tok, tok).compile()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+    weights = _weight_bytes(cfg, state)
+    accessed = float(cost.get("bytes accessed", float("nan")))
+    return dict(dispatch=dispatch, batch=batch, bytes_accessed=accessed, weight_bytes=weights, ratio=accessed / weights)
