@@ -29,9 +29,15 @@ def aot_compile(*args, tmp_path=None):
     return p, (json.loads(out.read_text()) if out is not None and out.exists() else None)
 
 
+@pytest.fixture(scope="module")
+def tiny_slice(tmp_path_factory):
+    """Every program of the tiny config compiled for a v5p:2x2x1 slice, once for the tests that read it."""
+    return aot_compile(*TINY, tmp_path=tmp_path_factory.mktemp("tiny_slice"))
+
+
 @pytest.mark.slow
-def test_every_program_compiles_for_a_slice_and_fits(tmp_path):
-    p, rows = aot_compile(*TINY, tmp_path=tmp_path)
+def test_every_program_compiles_for_a_slice_and_fits(tiny_slice):
+    p, rows = tiny_slice
     assert p.returncode == 0, p.stderr[-3000:]
     assert [r["program"] for r in rows] == list(aot.PROGRAMS)
     c = base_config("gspo", "tiny")
@@ -120,10 +126,10 @@ def test_script_refuses_in_one_line_and_checks_the_mesh_against_the_slice():
 
 
 @pytest.mark.slow
-def test_ppo_train_step_compiles_for_a_slice_with_its_critic(tmp_path):
+def test_ppo_train_step_compiles_for_a_slice_with_its_critic(tiny_slice, tmp_path):
     """PPO's step carries the critic's update: its state in the arguments, its work in the analytic FLOPs."""
-    p, rows = aot_compile(*TINY, "--programs", "train_step", tmp_path=tmp_path)
-    assert p.returncode == 0, p.stderr[-3000:]
+    p, rows = tiny_slice  # rows[0]: the critic-free train step of the same config and slice
+    assert p.returncode == 0 and rows[0]["program"] == "train_step", p.stderr[-3000:]
     ppo = [*TINY[:1], "configs/ppo.py:tiny", *TINY[2:]]
     p2, rows2 = aot_compile(*ppo, "--programs", "train_step", tmp_path=tmp_path)
     assert p2.returncode == 0, p2.stderr[-3000:]

@@ -208,8 +208,8 @@ def test_the_critic_leaves_the_policy_update_as_it_was(ppo):
     assert values(m1)["loss"] == values(m2)["loss"]
 
 
-def test_sharded_critic_step_equals_single_device():
-    single, sharded = ppo_setup(), ppo_setup(data=2, expert=2, tensor=2)
+def test_sharded_critic_step_equals_single_device(ppo):
+    single, sharded = ppo, ppo_setup(data=2, expert=2, tensor=2)
     batch = with_critic_fields(single, minibatch(single, seed=3))
     s1, m1, _ = single.step(batch)
     s2, m2, _ = sharded.step(batch)
