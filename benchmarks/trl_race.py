@@ -28,7 +28,7 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.4")  # leave torch th
 
 import jax  # noqa: E402
 
-from benchmarks.run.iterations import race_iteration  # noqa: E402
+from benchmarks.run.iterations import RACE_ITERATIONS, race_iteration  # noqa: E402
 from benchmarks.run.shapes import iteration_config  # noqa: E402
 from gspo_jax import hf  # noqa: E402
 from gspo_jax import programs as programs_lib  # noqa: E402
@@ -37,7 +37,7 @@ from gspo_jax.sharding import mesh_from_config  # noqa: E402
 from gspo_jax.tasks import load_tokenizer, prompt_iterator  # noqa: E402
 from gspo_jax.tasks.tokenizer import write_tokenizer_files  # noqa: E402
 
-STEPS = 6  # iterations per side; 2..5 are timed (0 and 1 compile or warm up; TRL's last is like the rest)
+STEPS = RACE_ITERATIONS  # per side; 2..5 are timed (0 and 1 compile or warm up)
 
 
 def trl_side(c, built, model_dir: str) -> dict:
@@ -115,7 +115,6 @@ def main():
     ap.add_argument("--out", default=None, help="default: benchmarks/race-<device>.json")
     args = ap.parse_args()
     c = iteration_config("iteration")
-    c.train.update(drift_metrics=True, drift_subsample=1, num_iterations=STEPS)
     built = build(c)
     _, params = programs_lib.init_policy(built, mesh_from_config(**built.mesh.axes()))  # the run's own initial weights
     mine = race_iteration(c)

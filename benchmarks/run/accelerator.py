@@ -92,9 +92,8 @@ def decode_step(
         used = sampler.decode_chunk
         times[C] = best_time(lambda s=sampler: s(state, prompts, mask, jax.random.key(0)).tokens, repeats)
     seconds = (times[8 + steps] - times[8]) / steps
-    floor = (
-        _weight_bytes(cfg, state) / bandwidth
-    )  # each weight read once, at the copy's bytes (read + write) per second
+    # Each weight read once, at the copy's bytes (read + write) per second.
+    floor = _weight_bytes(cfg, state) / bandwidth
     return dict(
         dispatch=dispatch,
         shape=shape,

@@ -43,6 +43,14 @@ def _run_iterations(c, cache_dir: str | None = None, cold: bool = True) -> tuple
     return rows, t0
 
 
+def _warm_iterations(rows: list[dict]) -> tuple[float, dict, list[dict]]:
+    """(mean wall seconds between the metrics rows of iterations 2..5, the mean split, those rows):
+    compiled iterations, not the last (it evaluates)."""
+    warm = [r for r in rows if 2 <= r["step"] <= 5]
+    wall = [b["time"] - a["time"] for a, b in zip(rows[1:], rows[2:]) if 2 <= b["step"] <= 5]
+    return float(np.mean(wall)), {k: float(np.mean([r[k] for r in warm])) for k in SPLIT}, warm
+
+
 def iteration(tiny: bool, repeats: int) -> dict:
     """The three drift settings, each a fresh run from cold in-memory caches, then the
     compilation-cache pair, always cold: a run that fills an empty persistent cache, and its rerun.
@@ -56,13 +64,11 @@ def iteration(tiny: bool, repeats: int) -> dict:
             c.train.update(drift_metrics=drift, drift_subsample=subsample)
             pair = tiny and drift and subsample == 1
             rows, t0 = _run_iterations(c, cache_dir if pair else None, cold=pair or not tiny)
-            warm = [r for r in rows if 2 <= r["step"] <= 5]  # iterations 2..5: compiled, not the last (it evaluates)
-            wall = [b["time"] - a["time"] for a, b in zip(rows[1:], rows[2:]) if 2 <= b["step"] <= 5]
-            split = {k: float(np.mean([r[k] for r in warm])) for k in SPLIT}
-            split["other_seconds"] = float(np.mean(wall)) - sum(split.values())  # checkpoint, logging, host work
+            seconds, split, warm = _warm_iterations(rows)
+            split["other_seconds"] = seconds - sum(split.values())  # checkpoint, logging, host work
             name = "drift_off" if not drift else "drift_on" if subsample == 1 else f"drift_every_{subsample}th"
             out[name] = dict(
-                seconds=float(np.mean(wall)),
+                seconds=seconds,
                 split=split,
                 compiles_after_warmup=int(sum(r["xla_compiles"] for r in warm)),
                 seconds_to_first_iteration=rows[1]["time"] - t0,
@@ -85,15 +91,15 @@ def iteration(tiny: bool, repeats: int) -> dict:
     return out
 
 
+RACE_ITERATIONS = 6  # iterations 2..5 timed
+
+
 def race_iteration(c) -> dict:
-    """The race (issue 40): config `c` run with drift on, one iteration as the mean wall time between the
-    metrics rows of steps 2..5 (compiled, not the last), and its split."""
+    """The race (issue 40): config `c` run with drift on, one iteration and its split (`_warm_iterations`)."""
     c = c.copy_and_resolve_references()
-    c.train.update(drift_metrics=True, drift_subsample=1, num_iterations=6)
-    rows, _ = _run_iterations(c, cold=False)
-    warm = [r for r in rows if 2 <= r["step"] <= 5]
-    wall = [b["time"] - a["time"] for a, b in zip(rows[1:], rows[2:]) if 2 <= b["step"] <= 5]
-    return dict(seconds=float(np.mean(wall)), split={k: float(np.mean([r[k] for r in warm])) for k in SPLIT})
+    c.train.update(drift_metrics=True, drift_subsample=1, num_iterations=RACE_ITERATIONS)
+    seconds, split, _ = _warm_iterations(_run_iterations(c, cold=False)[0])
+    return dict(seconds=seconds, split=split)
 
 
 def median_iteration(c) -> dict:
