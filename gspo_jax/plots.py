@@ -34,7 +34,7 @@ class FigureSpec:
 
 FIGURES: tuple[FigureSpec, ...] = (
     FigureSpec("reward", "Reward", ("reward_mean", "eval_accuracy"), "reward"),
-    FigureSpec("accuracy", "Accuracy", ("accuracy", "eval_accuracy"), "accuracy"),
+    FigureSpec("accuracy", "Accuracy", ("accuracy", "eval_accuracy", "eval_accuracy_sampled"), "accuracy"),
     # GSPO clips whole sequences, so its clip fraction runs ~100x GRPO's token clip fraction.
     FigureSpec(
         "clip_fraction",

@@ -10,7 +10,7 @@ from typing import TextIO
 import jax
 from tqdm.auto import tqdm
 
-SHOWN = ("reward_mean", "accuracy", "eval_accuracy")
+SHOWN = ("reward_mean", "accuracy", "eval_accuracy", "eval_accuracy_sampled")
 
 
 class Progress:

@@ -176,7 +176,7 @@ def main(argv):
     except KeyboardInterrupt:
         print(f"{PREFIX}interrupted: stopped at once; the newest complete checkpoint is intact", file=sys.stderr)
         sys.exit(EXIT_INTERRUPTED)
-    keys = ("reward_mean", "accuracy", "eval_accuracy", "clip_frac", "drift_slot_change_rate")
+    keys = ("reward_mean", "accuracy", "eval_accuracy", "eval_accuracy_sampled", "clip_frac", "drift_slot_change_rate")
     print(PREFIX + "final: " + ", ".join(f"{k}={metrics[k]:.4f}" for k in keys if k in metrics))
 
 

@@ -11,10 +11,11 @@ from flax import nnx
 from gspo_jax import model as model_lib
 from gspo_jax.advantages import overlong_penalty
 from gspo_jax.algorithms import ALGORITHMS
+from gspo_jax.evaluate import SAMPLED_KEY_OFFSET, evaluate
 from gspo_jax.losses import policy_loss
 from gspo_jax.rollout import Rollout, RolloutConfig, select_groups
 from gspo_jax.sampler import Sampler
-from gspo_jax.tasks import Example, TaskPrompts, load_tokenizer
+from gspo_jax.tasks import Example, TaskPrompts, load_tokenizer, prompt_iterator
 
 GROUPS, G, P, N = 4, 4, 8, 6
 
@@ -154,3 +155,21 @@ def test_rollout_config_rejects_bad_values():
         RolloutConfig(advantage_scale="std")
     with pytest.raises(ValueError, match="max_rounds"):
         RolloutConfig(dynamic_sampling=True, max_rounds=1)
+
+
+def test_evaluate_reports_greedy_and_sampled_accuracy_on_fixed_prompts(env):
+    """Sampled held-out accuracy is the rollout's own sampling on the greedy evaluation's prompts: near
+    temperature 0 it equals the greedy accuracy, at temperature 1 it is the draws' mean reward done by
+    hand, and every call sees the same prompts and keys (a run's curve moves with the policy only)."""
+    cold, state, _ = make(env, temperature=1e-6)
+    m_cold, samples = evaluate(cold, state, seed=3, num_batches=2)
+    assert m_cold["eval_accuracy_sampled"] == m_cold["eval_accuracy"]
+    rollout, state, _ = make(env)
+    m, _ = evaluate(rollout, state, seed=3, num_batches=2)
+    assert m == evaluate(rollout, state, seed=3, num_batches=2)[0]
+    assert m["eval_accuracy"] == m_cold["eval_accuracy"]  # greedy ignores the rollout's temperature
+    prompts = prompt_iterator(CoinTask(), seed=3, split="eval")
+    keys = [jax.random.key(SAMPLED_KEY_OFFSET + i) for i in range(2)]
+    raw = [rollout.sample(state, prompts.next_batch(GROUPS * G), 1, k, temperature=1.0).raw for k in keys]
+    assert m["eval_accuracy_sampled"] == pytest.approx(np.mean(np.concatenate(raw) == 1.0))
+    assert [x["prompt"] for x in samples] == [x["prompt"] for x in evaluate(rollout, state, seed=3, num_batches=2)[1]]
