@@ -25,6 +25,7 @@ from gspo_jax.plots import series
 from gspo_jax.writers import read_metrics
 
 ACCURACY = "eval_accuracy"  # held-out greedy accuracy: what the report ranks arms by
+SAMPLED = "eval_accuracy_sampled"  # held-out accuracy at the rollout's sampling settings, where logged
 COLLAPSE_DROP = 0.10  # collapsed: final held-out accuracy this far below the step-0 (warm-start) one
 LOSS_KEYS = ("loss", "total_loss")  # ... or one of these non-finite at some step
 # Diagnostics in the arm table, where logged: mean over a run's training steps, then over its seeds.
@@ -63,10 +64,10 @@ class RunResult:
         vs = [v for s, v in zip(*series(self.records, key), strict=True) if s > 0 and math.isfinite(v)]
         return sum(vs) / len(vs) if vs else None
 
-    def accuracy(self) -> dict[str, float] | None:
-        """final, best, start (step 0) and auc (the trapezoid area under the held-out accuracy curve over
-        its step span, divided by that span: the curve's mean, comparable across run lengths)."""
-        points = [(s, v) for s, v in zip(*series(self.records, ACCURACY), strict=True) if math.isfinite(v)]
+    def accuracy(self, key: str = ACCURACY) -> dict[str, float] | None:
+        """final, best, start (step 0) and auc (the trapezoid area under the held-out accuracy curve `key`
+        over its step span, divided by that span: the curve's mean, comparable across run lengths)."""
+        points = [(s, v) for s, v in zip(*series(self.records, key), strict=True) if math.isfinite(v)]
         if not points:
             return None
         steps, acc = [s for s, _ in points], [v for _, v in points]
@@ -149,24 +150,41 @@ def _markdown(sweep, root: Path, results, arms, figures: Sequence[Path]) -> str:
         f"logged {' / '.join(f'`{k}`' for k in LOSS_KEYS)} is non-finite. Wall time: the run's attempts, summed.",
         "",
     ]
+    sampled = any(r.values(SAMPLED) for r in results)
+    if sampled:
+        lines[-2] += (
+            f" Sampled: held-out accuracy at the rollout's temperature, top-k and top-p (`{SAMPLED}`), at step 0 "
+            "and at the end, and the gain (final − step 0) of each accuracy, mean ± sd over seeds."
+        )
     rows = []
     for arm, rs in arms.items():
         done = [r for r in rs if r.status == "done"]
         acc = [a for a in (r.accuracy() for r in done) if a is not None]
-        rows.append(
-            [
-                f"`{arm}`",
-                f"{len(done)}/{len(rs)}",
-                _fmt([a["start"] for a in acc]),
-                _fmt([a["final"] for a in acc]),
-                _fmt([a["best"] for a in acc]),
-                _fmt([a["auc"] for a in acc]),
-                f"{sum(r.collapsed() for r in done)}/{len(done)}" if done else "—",
-                _fmt([r.seconds() for r in done], 3),
+        row = [
+            f"`{arm}`",
+            f"{len(done)}/{len(rs)}",
+            _fmt([a["start"] for a in acc]),
+            _fmt([a["final"] for a in acc]),
+            _fmt([a["best"] for a in acc]),
+            _fmt([a["auc"] for a in acc]),
+        ]
+        if sampled:
+            acc_s = [a for a in (r.accuracy(SAMPLED) for r in done) if a is not None]
+            row += [
+                _fmt([a["final"] - a["start"] for a in acc]),
+                _fmt([a["start"] for a in acc_s]),
+                _fmt([a["final"] for a in acc_s]),
+                _fmt([a["final"] - a["start"] for a in acc_s]),
             ]
-        )
-    header = ["arm", "finished", "step-0 acc", "final acc", "best acc", "AUC", "collapsed", "wall time (s)"]
-    lines += _table(header, rows)
+        row += [
+            f"{sum(r.collapsed() for r in done)}/{len(done)}" if done else "—",
+            _fmt([r.seconds() for r in done], 3),
+        ]
+        rows.append(row)
+    header = ["arm", "finished", "step-0 acc", "final acc", "best acc", "AUC"]
+    if sampled:
+        header += ["gain", "step-0 sampled", "final sampled", "sampled gain"]
+    lines += _table([*header, "collapsed", "wall time (s)"], rows)
 
     present = [(k, d) for k, d in DIAGNOSTICS if any(r.values(k) for r in results)]
     absent = [k for k, _ in DIAGNOSTICS if k not in dict(present)]
@@ -341,7 +359,7 @@ def _per_layer(arms: Mapping[str, list[RunResult]]) -> Figure | None:
 
 def _figures(arms: Mapping[str, list[RunResult]], out: Path) -> list[Path]:
     figures = {
-        "accuracy": _curves(arms, (ACCURACY,), "Held-out accuracy", "accuracy"),
+        "accuracy": _curves(arms, (ACCURACY, SAMPLED), "Held-out accuracy", "accuracy"),
         "clip_fraction": _curves(arms, CLIP_KEYS, "Clip fraction", "fraction"),
         "drift": _curves(arms, ("drift_slot_change_rate", "drift_router_flip_rate"), "Routing drift", "rate"),
         "drift_per_layer": _per_layer(arms),

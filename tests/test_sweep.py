@@ -354,6 +354,32 @@ def test_every_shipped_sweep_loads_and_each_arm_builds(name):
         config_lib.build(c, device_count=1)
 
 
+def test_report_gives_greedy_and_sampled_gains_per_arm(tmp_path):
+    """Hand-made metrics of two seeds: each accuracy's step-0, final and gain columns are the seeds'
+    mean ± sd, and the accuracy figure gets a panel per accuracy."""
+    repo, root = tmp_path / "repo", tmp_path / "root"
+    (repo / "configs").mkdir(parents=True)
+    (repo / "configs" / "fake.py").write_text("")
+    (repo / "s.py").write_text("BASE = 'configs/fake.py'\ndef runs(): return [{'seed': s} for s in (0, 1)]\n")
+    sweep = sweeps.load_sweep(repo / "s.py", repo)
+    curves = {0: ((0.5, 0.3, 0.8), (0.2, 0.3, 0.7)), 1: ((0.4, 0.2, 0.5), (0.3, 0.3, 0.6))}  # greedy, sampled
+    for run in sweep.runs:
+        run_dir = sweeps.workdir(root, run)
+        run_dir.mkdir(parents=True)
+        greedy, sampled = curves[run.overrides["seed"]]
+        rows = [
+            dict(step=10 * i, eval_accuracy=g, eval_accuracy_sampled=x) for i, (g, x) in enumerate(zip(greedy, sampled))
+        ]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        sweeps.record_attempt(run_dir, "done", rc=0, seconds=5.0, command=["x"], tail=[])
+    report = sweep_report.write_report(sweep, root).read_text()
+    # greedy: start, final, best, AUC (0.475 and 0.325), gain (0.3 and 0.1); sampled: start, final, gain
+    greedy = "| `fake` | 2/2 | 0.45 ± 0.071 | 0.65 ± 0.21 | 0.65 ± 0.21 | 0.4 ± 0.11 | 0.2 ± 0.14 |"
+    assert greedy + " 0.25 ± 0.071 | 0.65 ± 0.071 | 0.4 ± 0.14 | 0/2 |" in report
+    assert "sampled gain" in report and "eval_accuracy_sampled" in report
+    assert (root / "report" / "accuracy.png").exists()
+
+
 def test_report_figures_colour_arms_by_algorithm_and_style_them_by_the_rest():
     """27 arms (9 objectives × 3 replays) must not cycle 10 colours: an algorithm keeps its colour,
     a replay setting its line style, and no two arms look alike."""
