@@ -31,6 +31,7 @@ class Programs(NamedTuple):
     take: Callable  # (batch, rows) -> the batch's rows, on the mesh (minibatches, drift sub-samples)
     take_scored: Callable  # (Scored, rows) -> its rows, on the mesh
     score: Program  # (params, tokens, positions) -> (logp [B, T], topk [B, L, T, K])
+    score_replayed: Program  # (params, tokens, positions, topk) -> the same, routed by `topk` (R3's π_old)
     drift: Program  # (params, batch) -> drift metrics (routing.measure_drift)
     estimate: Program | None  # (critic params, batch, rewards [B]) -> (batch with GAE advantages, metrics)
     init_critic: Callable[[nnx.State], critic_lib.CriticState] | None  # (policy params) -> the critic's state
@@ -95,7 +96,7 @@ def compile_programs(built: config_lib.Built, graphdef, params, mesh: jax.shardi
         optimizer=built.optimizer,
         total_steps=t.updates,
         temperature=temperature,
-        replay=t.routing_replay != "none",
+        replay=t.routing_replay,
         microbatches=built.microbatches,
         routing_diagnostics=t.routing_diagnostics,
         on_policy=shares_old_forward(t, built.loss, critic_cfg),
@@ -116,6 +117,13 @@ def compile_programs(built: config_lib.Built, graphdef, params, mesh: jax.shardi
         out_shardings=(batch_sh.old_logp, batch_sh.topk),
         compiler_options=options,
     )
+    score_replayed = jax.jit(
+        on_mesh(model_lib.score),
+        static_argnums=(0, 1),
+        in_shardings=(param_sh, batch_sh.tokens, batch_sh.positions, batch_sh.topk),
+        out_shardings=(batch_sh.old_logp, batch_sh.topk),
+        compiler_options=options,
+    )
     drift = jax.jit(
         on_mesh(routing.measure_drift),
         static_argnums=(0, 1, 2),
@@ -128,6 +136,7 @@ def compile_programs(built: config_lib.Built, graphdef, params, mesh: jax.shardi
         take=jax.jit(take_rows, in_shardings=(batch_sh, rep), out_shardings=batch_sh),
         take_scored=jax.jit(take_rows, in_shardings=(scored_sh, rep), out_shardings=scored_sh),
         score=Program(score, graphdef, temperature),
+        score_replayed=Program(score_replayed, graphdef, temperature),
         drift=Program(drift, graphdef, temperature, t.routing_diagnostics),
         estimate=estimate,
         init_critic=init_critic,

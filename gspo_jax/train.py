@@ -115,7 +115,7 @@ class StepConfig:
     optimizer: optimizer_lib.OptimizerConfig
     total_steps: int
     temperature: float  # log-probs are scored at the sampling temperature
-    replay: bool  # route with the batch's top-k (R2 / R3) instead of the live router
+    replay: str  # config.REPLAY: route with the batch's top-k (R2 / R3) instead of the live router
     microbatches: int
     routing_diagnostics: bool = False  # the flipped-vs-unflipped split of the loss's diagnostics
     # The update is the only one on its batch and starts at π_old (`shares_old_forward`): its own
@@ -131,15 +131,21 @@ def shares_old_forward(
     critic_cfg: critic_lib.CriticConfig | None = None,
 ) -> bool:
     """Whether π_old's log-probs can come from the update's own forward instead of a scoring pass:
-    one update per batch (epochs = minibatches = 1), recomputed by the trainer, with the live routing
-    (R2 replays π_old's own routing, which the forward at π_old chooses anyway; R3 replays the
-    sampler's, which differs), and no masked-IS correction (its mask changes the loss denominator,
-    which must be known before the first micro-batch), and no KL penalty in a critic's rewards (GAE
-    needs π_old's log-probs before the update)."""
+    one update per batch (epochs = minibatches = 1), recomputed by the trainer, under the routing the
+    update uses (live; R2 replays π_old's own routing, which the forward at π_old chooses anyway; R3
+    replays the sampler's, and π_old is scored under it too), and no masked-IS correction (its mask
+    changes the loss denominator, which must be known before the first micro-batch), and no KL
+    penalty in a critic's rewards (GAE needs π_old's log-probs before the update)."""
     mis = loss_cfg is not None and loss_cfg.is_correction == "mis"
     kl_reward = critic_cfg is not None and critic_cfg.kl_reward_coef > 0
     single = t.epochs * t.minibatches == 1
-    return single and t.old_logp_source == "trainer" and t.routing_replay != "R3" and not mis and not kl_reward
+    return single and t.old_logp_source == "trainer" and not mis and not kl_reward
+
+
+def forces_routing(replay: str, on_policy: bool) -> bool:
+    """Whether the update routes with the batch's top-k: R3 always (the sampler's routing); R2 only off
+    the on-policy path (there the forward at π_old chooses π_old's routing itself)."""
+    return replay == "R3" or (replay == "R2" and not on_policy)
 
 
 class Scored(NamedTuple):
@@ -172,7 +178,7 @@ def train_step(
     split = static.routing_diagnostics and not static.on_policy and batch.topk.shape[1] > 0
 
     def loss_fn(params, mb: TrainBatch):
-        forced = mb.topk if static.replay and not static.on_policy else None
+        forced = mb.topk if forces_routing(static.replay, static.on_policy) else None
         logp_BT, aux = model_lib.logprobs(
             static.graphdef, params, mb.tokens, mb.positions, forced, static.temperature, split and forced is not None
         )
@@ -244,7 +250,7 @@ def rl_iteration(
             if scored is not None:  # the only update: its forward scored π_old, in the minibatch's order
                 scored = programs.take_scored(scored, np.argsort(idx))
                 full = full.replace(old_logp=scored.logp, topk=scored.topk)
-    if programs.on_policy:  # the update's forward was the trainer's recomputation of π_old
+    if programs.on_policy and t.routing_replay != "R3":  # the update's forward was π_old's, routed live
         metrics.update(mismatch.sampler_mismatch(batch, full.old_logp, full.topk))
     host = [jax.tree.map(float, s) for s in jax.device_get(step_metrics)]  # float64 from here
     metrics.update(metrics_lib.compute(functools.reduce(metrics_lib.merge, host)))
@@ -270,21 +276,27 @@ def rl_iteration(
 
 
 def prepare_batch(programs: Programs, params, batch, t: TrainConfig, ref_params, metrics) -> TrainBatch:
-    """The rollout on the mesh: π_old's log-probs from `t.old_logp_source`, π_old's routing from the
-    sampler (R3) or the trainer (R2, none), π_ref's log-probs when there is a reference. Logs
-    `old_logp_max_diff` (trainer vs sampler log-probs) into `metrics`. With `programs.on_policy` the
-    trainer's log-probs and routing are left for the update's own forward to fill in."""
+    """The rollout on the mesh: π_old's routing from the sampler (R3) or the trainer (R2, none), π_old's
+    log-probs from `t.old_logp_source` (the trainer's scored under that same routing, so the update's
+    ratio is exactly 1 at θ_old), π_ref's log-probs when there is a reference. Logs the sampler–trainer
+    mismatch against the trainer's live routing (`mismatch.sampler_mismatch`) into `metrics`. With
+    `programs.on_policy` the trainer's log-probs (and, but under R3, routing) are left for the update's
+    own forward to fill in."""
     b2 = programs.batch_shardings.tokens
     tokens = jax.device_put(batch.tokens, b2)
     positions = jax.device_put(_positions(batch.prompt_mask, batch.completion_mask), b2)
-    sampler_logp = batch.old_logp
+    sampler_logp, r3 = batch.old_logp, t.routing_replay == "R3"
+    logp_live = None
+    if not programs.on_policy or r3:  # the mismatch is against the live routing: R3 needs a forward for it
+        logp_live, topk_live = programs.score(params, tokens, positions)
+        metrics.update(mismatch.sampler_mismatch(batch, logp_live, topk_live))
     if programs.on_policy:
-        old_logp, topk = sampler_logp, batch.topk  # placeholders, replaced by the update
+        old_logp, topk = sampler_logp, batch.topk  # placeholders, replaced by the update (R3: its routing)
     else:
-        logp_trainer, topk_trainer = programs.score(params, tokens, positions)
-        metrics.update(mismatch.sampler_mismatch(batch, logp_trainer, topk_trainer))
-        old_logp = logp_trainer if t.old_logp_source == "trainer" else sampler_logp
-        topk = batch.topk if t.routing_replay == "R3" else topk_trainer  # R2 and none: the trainer's
+        topk = batch.topk if r3 else topk_live  # R2 and none: the trainer's
+        old_logp = sampler_logp
+        if t.old_logp_source == "trainer":  # π_old under the routing the update replays
+            old_logp = programs.score_replayed(params, tokens, positions, topk)[0] if r3 else logp_live
     ref_logp = jnp.zeros_like(old_logp) if ref_params is None else programs.score(ref_params, tokens, positions)[0]
     given = dict(tokens=tokens, positions=positions, completion_mask=batch.completion_mask, loss_mask=batch.loss_mask)
     given.update(old_logp=old_logp, sampler_logp=sampler_logp, ref_logp=ref_logp, topk=topk)

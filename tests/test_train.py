@@ -272,7 +272,7 @@ def test_drift_equals_the_own_and_the_replayed_forward():
     [
         (1, 1, "trainer", "none", True),
         (1, 1, "trainer", "R2", True),  # R2 replays the routing the forward at π_old chooses anyway
-        (1, 1, "trainer", "R3", False),  # the sampler's routing differs: π_old is scored as before
+        (1, 1, "trainer", "R3", True),  # the forward replays the sampler's routing, and π_old is scored under it
         (1, 1, "sampler", "none", False),
         (2, 1, "trainer", "none", False),
         (1, 2, "trainer", "none", False),
