@@ -139,6 +139,27 @@ def _xla_flops(compiled) -> float:
     return float((cost or {}).get("flops", 0.0))
 
 
+def parse_mesh(layout: str) -> dict[str, int]:
+    """A mesh layout such as "data=2,fsdp=2" as every axis's size (axes not named are 1; -1: the devices
+    left), for comparing plans in one process: `scripts/aot_compile.py --mesh`."""
+    sizes = dict.fromkeys(sharding_lib.MESH_AXES, 1)
+    for part in filter(None, layout.replace(" ", "").split(",")):
+        axis, _, size = part.partition("=")
+        if axis not in sizes or not re.fullmatch(r"-1|[1-9]\d*", size):
+            raise ConfigError(
+                f"mesh: {layout!r} is not 'axis=size,...' with axes in {sharding_lib.MESH_AXES} and sizes >= 1 or -1"
+            )
+        sizes[axis] = int(size)
+    return sizes
+
+
+def with_mesh(config, layout: str):
+    """A copy of `config` (a base_config ConfigDict) whose mesh is `layout` (`parse_mesh`)."""
+    config = config.copy_and_resolve_references()
+    config.mesh.update(parse_mesh(layout))
+    return config
+
+
 def compile_report(config, topology: str, programs: tuple[str, ...] = PROGRAMS) -> list[Row]:
     """Compiles `programs` of `config` (a base_config ConfigDict) for `topology`; one Row each."""
     unknown = set(programs) - set(PROGRAMS)

@@ -1,7 +1,7 @@
 """Dropless sparse Mixture-of-Experts feed-forward: float32 router, top-k with optional
 renormalisation, routing replay, four dispatch paths and the `auto` rule that picks one per backend,
-expert parallelism, load-balancing and z losses. Shape letters: `gspo_jax/__init__.py` (E experts,
-K chosen per token, F expert width).
+expert parallelism (and, without it, the grouped kernels' per-device shard_map), load-balancing and
+z losses. Shape letters: `gspo_jax/__init__.py` (E experts, K chosen per token, F expert width).
 
 Dropless means every token reaches its k experts whatever the rest of the batch is,
 so a token's output never depends on other tokens: log-probs are exact and routing
@@ -78,6 +78,7 @@ class RouterOutput(NamedTuple):
     """What one MoE layer reports about its routing."""
 
     topk_BTK: jax.Array  # int32 expert indices used (forced ones under replay)
+    gates_BTK: jax.Array  # float32 combine weights used (forced ones under weight replay)
     logits_BTE: jax.Array  # float32 router logits
     lb_loss: jax.Array  # raw load-balancing loss (see `load_balancing_loss`)
     z_loss: jax.Array  # raw router z-loss
@@ -88,12 +89,15 @@ def route(
     top_k: int,
     renormalize: bool,
     forced_topk_BTK: jax.Array | None = None,
+    forced_gates_BTK: jax.Array | None = None,
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """Top-k routing from float32 logits: returns (topk_BTK int32, gates_BTK, probs_BTE).
 
     Gates are read from the full softmax at the chosen (or forced) indices and, when
     `renormalize`, divided by their sum, so the router gets gradient under replay too.
-    `lax.top_k` breaks ties towards the lower expert index.
+    `forced_gates_BTK` (weight replay) replaces their values exactly while the gradient still
+    flows through the live gates at the forced indices (a straight-through estimator: forced +
+    live − sg(live)). `lax.top_k` breaks ties towards the lower expert index.
     """
     probs_BTE = jax.nn.softmax(logits_BTE.astype(jnp.float32), axis=-1)
     if forced_topk_BTK is None:
@@ -104,6 +108,8 @@ def route(
     gates_BTK = jnp.take_along_axis(probs_BTE, topk_BTK, axis=-1)
     if renormalize:
         gates_BTK = gates_BTK / jnp.sum(gates_BTK, axis=-1, keepdims=True)
+    if forced_gates_BTK is not None:  # live − sg(live) is exactly 0: the value is the forced one
+        gates_BTK = forced_gates_BTK.astype(jnp.float32) + (gates_BTK - jax.lax.stop_gradient(gates_BTK))
     return topk_BTK, gates_BTK, probs_BTE
 
 
@@ -406,15 +412,11 @@ def expert_parallel(experts, mesh, x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_
     """
     B, T, D = x_BTD.shape
     K, E = topk_BTK.shape[-1], w_gate_EDF.shape[0]
-    S, R = mesh.shape["expert"], mesh.shape["tensor"]
+    S = mesh.shape["expert"]
     check(E % S == 0, "expert_parallel", "num_experts", E, f"a multiple of the mesh's expert axis ({S})")
     El = E // S
-    N, ways = B * T, sharding.data_size(mesh)
-    pad = -N % ways  # rows routed to "no expert" (index E) make the tokens split evenly
-    x_ND = jnp.pad(x_BTD.reshape(N, D), ((0, pad), (0, 0)))
-    topk_NK = jnp.pad(topk_BTK.reshape(N, K).astype(jnp.int32), ((0, pad), (0, 0)), constant_values=E)
-    gates_NK = jnp.pad(gates_BTK.reshape(N, K), ((0, pad), (0, 0)))
-    f_ax = "tensor" if R > 1 and w_gate_EDF.shape[-1] % R == 0 else None
+    x_ND, topk_NK, gates_NK = _split_evenly(mesh, x_BTD, topk_BTK, gates_BTK, E)
+    f_ax = _f_axis(mesh, w_gate_EDF.shape[-1])
 
     def local(x_nD, topk_nK, gates_nK, w_gate, w_up, w_down):
         n = x_nD.shape[0]
@@ -442,7 +444,62 @@ def expert_parallel(experts, mesh, x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_
     y_ND = jax.shard_map(
         local, mesh=mesh, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out), out_specs=tokens, check_vma=False
     )(x_ND, topk_NK, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD)
-    return y_ND[:N].reshape(B, T, D)
+    return y_ND[: B * T].reshape(B, T, D)
+
+
+def batch_parallel(experts, mesh, x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF, w_down_EFD):
+    """The experts on a mesh without expert parallelism, in a `jax.shard_map` over `mesh`: each device
+    runs `experts` on its own tokens (split over every data axis, `sharding.DATA_AXES`) with every
+    expert's weights, gathered whole along "fsdp" at the boundary (their gradients summed over the data
+    axes on the way back) and split along "tensor" over F where it divides (outputs summed). The grouped
+    kernels need it: XLA cannot partition a Mosaic kernel's call (TPU or GPU), so it must see one
+    device's shapes."""
+    B, T, D = x_BTD.shape
+    E = w_gate_EDF.shape[0]
+    x_ND, topk_NK, gates_NK = _split_evenly(mesh, x_BTD, topk_BTK, gates_BTK, E)
+    f_ax = _f_axis(mesh, w_gate_EDF.shape[-1])
+
+    def local(x_nD, topk_nK, gates_nK, w_gate, w_up, w_down):
+        y_nD = experts(x_nD[None], topk_nK[None], gates_nK[None], w_gate, w_up, w_down)[0]
+        return jax.lax.psum(y_nD, "tensor") if f_ax else y_nD
+
+    tokens = P(sharding.DATA_AXES, None)
+    w_in, w_out = P(None, None, f_ax), P(None, f_ax, None)
+    y_ND = jax.shard_map(
+        local, mesh=mesh, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out), out_specs=tokens, check_vma=False
+    )(x_ND, topk_NK, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD)
+    return y_ND[: B * T].reshape(B, T, D)
+
+
+def _split_evenly(mesh, x_BTD, topk_BTK, gates_BTK, num_experts: int):
+    """The tokens flattened to rows (x_ND, topk_NK, gates_NK), padded to a multiple of the mesh's data
+    ways with rows routed to "no expert" (index E), so a shard_map splits them evenly."""
+    (B, T, D), K = x_BTD.shape, topk_BTK.shape[-1]
+    pad = ((0, -(B * T) % sharding.data_size(mesh)), (0, 0))
+    x_ND = jnp.pad(x_BTD.reshape(B * T, D), pad)
+    topk_NK = jnp.pad(topk_BTK.reshape(B * T, K).astype(jnp.int32), pad, constant_values=num_experts)
+    return x_ND, topk_NK, jnp.pad(gates_BTK.reshape(B * T, K), pad)
+
+
+def _f_axis(mesh, F: int) -> str | None:
+    """The mesh axis that splits the expert width F: "tensor" where it is larger than 1 and divides F,
+    else None (every device holds whole experts)."""
+    R = mesh.shape["tensor"]
+    return "tensor" if R > 1 and F % R == 0 else None
+
+
+def parallel_experts(experts, dispatch: str, mesh):
+    """`experts` for the mesh a program is traced under (`sharding.under_mesh`): expert-parallel where
+    the mesh has an expert axis; in a per-device shard_map (`batch_parallel`) for the grouped kernels
+    on any other mesh of several devices; as it is on one device, or for the other dispatches, which
+    XLA partitions itself."""
+    if mesh.empty:
+        return experts
+    if mesh.shape["expert"] > 1:
+        return functools.partial(expert_parallel, experts, mesh)
+    if dispatch == "grouped" and mesh.size > 1:
+        return functools.partial(batch_parallel, experts, mesh)
+    return experts
 
 
 class MoE(nnx.Module):
@@ -489,16 +546,22 @@ class MoE(nnx.Module):
         )
 
     def __call__(
-        self, x_BTD: jax.Array, valid_BT: jax.Array, forced_topk_BTK: jax.Array | None = None
+        self,
+        x_BTD: jax.Array,
+        valid_BT: jax.Array,
+        forced_topk_BTK: jax.Array | None = None,
+        forced_gates_BTK: jax.Array | None = None,
     ) -> tuple[jax.Array, RouterOutput]:
-        """Mixes each token's top-k experts; `valid_BT` masks padding out of the aux losses."""
+        """Mixes each token's top-k experts; `valid_BT` masks padding out of the aux losses. Replay:
+        `forced_topk_BTK` fixes the experts, `forced_gates_BTK` their combine weights too (`route`)."""
         logits_BTE = jnp.einsum("btd,de->bte", x_BTD.astype(jnp.float32), self.router[...].astype(jnp.float32))
-        topk_BTK, gates_BTK, probs_BTE = route(logits_BTE, self.top_k, self.renormalize, forced_topk_BTK)
-        dims = self.gate_proj.shape[1:]  # (D, F)
-        experts = experts_fn(self.dispatch, sharding.platform(), self.dtype, dims)
-        mesh = jax.sharding.get_abstract_mesh()
-        if not mesh.empty and mesh.shape["expert"] > 1:  # traced `sharding.under_mesh` an expert-parallel mesh
-            experts = functools.partial(expert_parallel, experts, mesh)
+        topk_BTK, gates_BTK, probs_BTE = route(
+            logits_BTE, self.top_k, self.renormalize, forced_topk_BTK, forced_gates_BTK
+        )
+        dims, platform = self.gate_proj.shape[1:], sharding.platform()  # dims: (D, F)
+        dispatch = resolve_dispatch(self.dispatch, platform, self.dtype, dims)
+        experts = experts_fn(dispatch, platform, self.dtype, dims)
+        experts = parallel_experts(experts, dispatch, jax.sharding.get_abstract_mesh())
         y_BTD = experts(
             x_BTD.astype(self.dtype),
             topk_BTK,
@@ -509,6 +572,7 @@ class MoE(nnx.Module):
         )
         stats = RouterOutput(
             topk_BTK=topk_BTK,
+            gates_BTK=gates_BTK,
             logits_BTE=logits_BTE,
             lb_loss=load_balancing_loss(probs_BTE, topk_BTK, valid_BT),
             z_loss=router_z_loss(logits_BTE, valid_BT),

@@ -18,6 +18,14 @@ from gspo_jax.validation import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ["--config", "configs/gspo.py:tiny", "--topology", "v5p:2x2x1", "--config.mesh.fsdp=2", "--config.mesh.expert=2"]
+# Every kind of mesh a 4-chip slice can take, as `--mesh` layouts: the grouped expert kernels (megablox)
+# must run per device on each (a Mosaic kernel's call cannot be partitioned by XLA).
+LAYOUTS = ("data=4", "fsdp=4", "data=2,fsdp=2", "data=2,tensor=2", "fsdp=2,expert=2", "data=2,expert=2")
+
+
+def mesh_name(layout: str) -> str:
+    """How a report names a `--mesh` layout: "data=2,fsdp=2" -> "data=2×fsdp=2"."""
+    return layout.replace(",", "×")
 
 
 def aot_compile(*args, tmp_path=None):
@@ -31,14 +39,37 @@ def aot_compile(*args, tmp_path=None):
 
 @pytest.fixture(scope="module")
 def tiny_slice(tmp_path_factory):
-    """Every program of the tiny config compiled for a v5p:2x2x1 slice, once for the tests that read it."""
-    return aot_compile(*TINY, tmp_path=tmp_path_factory.mktemp("tiny_slice"))
+    """Every program of the tiny config compiled for a v5p:2x2x1 slice on every layout of `LAYOUTS`, in one
+    process, once for the tests that read it."""
+    meshes = [f"--mesh={m}" for m in LAYOUTS]
+    return aot_compile(*TINY, *meshes, tmp_path=tmp_path_factory.mktemp("tiny_slice"))
+
+
+def rows_of(rows, layout):
+    return [r for r in rows if r["mesh"] == mesh_name(layout)]
+
+
+@pytest.mark.slow
+def test_every_mesh_layout_compiles_for_a_slice(tiny_slice):
+    """Data, FSDP, tensor and expert parallelism and their mixes: with or without an expert axis, every
+    program compiles (before, only meshes with expert parallelism put the grouped kernels in a
+    shard_map, and every other one failed: "Mosaic kernels cannot be automatically partitioned")."""
+    p, rows = tiny_slice
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert [r["mesh"] for r in rows] == [mesh_name(m) for m in LAYOUTS for _ in aot.PROGRAMS]
+    assert all(r["fits"] and r["temp_bytes"] > 0 for r in rows)
+    for m in LAYOUTS:
+        assert [r["program"] for r in rows_of(rows, m)] == list(aot.PROGRAMS)
+    table = [line for line in p.stdout.splitlines() if line.startswith("| v5p:2x2x1 |")]
+    assert len(table) == len(rows) and all("| yes |" in line for line in table)
+    assert p.stdout.count("| topology |") == 1  # one table, one header
 
 
 @pytest.mark.slow
 def test_every_program_compiles_for_a_slice_and_fits(tiny_slice):
     p, rows = tiny_slice
     assert p.returncode == 0, p.stderr[-3000:]
+    rows = rows_of(rows, "fsdp=2,expert=2")
     assert [r["program"] for r in rows] == list(aot.PROGRAMS)
     c = base_config("gspo", "tiny")
     c.mesh.update(fsdp=2, expert=2)
@@ -57,8 +88,8 @@ def test_every_program_compiles_for_a_slice_and_fits(tiny_slice):
         assert r["seconds_at_mfu"] == pytest.approx(r["flops"] / (0.4 * peak * 4))
         assert r["chips"] == 4 and r["xla_flops_per_chip"] > 0
     assert rows[0]["alias_bytes"] > 0  # the donated train state is updated in place
-    table = [line for line in p.stdout.splitlines() if line.startswith("| v5p:2x2x1 |")]
-    assert len(table) == 3 and all("| fsdp=2×expert=2 |" in line and "| yes |" in line for line in table)
+    table = [line for line in p.stdout.splitlines() if line.startswith("| v5p:2x2x1 | fsdp=2×expert=2 |")]
+    assert len(table) == 3 and all("| yes |" in line for line in table)
 
 
 # The flagship (`qwen3_30b_a3b`) with only its sizes shrunk: its layers scanned, rematerialised, the LM
@@ -72,8 +103,9 @@ FLAGSHIP_SHAPE = {"prompt_len": 128, "max_new_tokens": 32, "rollout.num_groups":
 
 
 def flagship_in_miniature() -> list[str]:
+    """Its size's plan on 4 chips (fsdp × expert=2), then an FSDP-only one (fsdp=4 × expert=1)."""
     flags = ["--config", "configs/gspo.py:qwen3_30b_a3b", "--topology", "v5p:2x2x1"]
-    flags += ["--config.mesh.fsdp=2", "--config.mesh.expert=2"]
+    flags += ["--mesh=fsdp=2,expert=2", "--mesh=fsdp=4"]
     flags += [f"--config.model.{k}={v}" for k, v in FLAGSHIP_DIMS.items()]
     return flags + [f"--config.{k}={v}" for k, v in FLAGSHIP_SHAPE.items()]
 
@@ -81,16 +113,17 @@ def flagship_in_miniature() -> list[str]:
 @pytest.mark.slow
 def test_the_flagships_structure_compiles_for_a_slice(tmp_path):
     """The class of break that stopped the flagship's sampler compiling (an XLA RET_CHECK in the batch-
-    chunked prefill's loop, libtpu 0.0.42) at a size CI compiles in seconds."""
+    chunked prefill's loop, libtpu 0.0.42) at a size CI compiles in seconds, on its size's kind of plan
+    and on an FSDP-only one, where the grouped kernels run without expert parallelism."""
     flagship = base_config("gspo", "qwen3_30b_a3b")
     m, P, C = flagship.model, FLAGSHIP_SHAPE["prompt_len"], FLAGSHIP_SHAPE["max_new_tokens"]
     assert m.scan_layers and m.remat != "none" and m.batch_chunks > 1 and flagship.mesh.expert > 1
     assert 0 < FLAGSHIP_DIMS["logprob_chunk"] < P + C and P < P + C  # chunked head; prompt shorter than cache
     p, rows = aot_compile(*flagship_in_miniature(), tmp_path=tmp_path)
     assert p.returncode == 0, p.stderr[-3000:]
-    assert [r["program"] for r in rows] == list(aot.PROGRAMS) and all(r["fits"] for r in rows)
-    assert all(r["mesh"] == "fsdp=2×expert=2" for r in rows)
-    assert rows[2]["shape"] == f"16 × {P}+{C}"
+    assert [r["program"] for r in rows] == list(aot.PROGRAMS) * 2 and all(r["fits"] for r in rows)
+    assert [r["mesh"] for r in rows] == ["fsdp=2×expert=2"] * 3 + ["fsdp=4"] * 3
+    assert rows[2]["shape"] == rows[5]["shape"] == f"16 × {P}+{C}"
 
 
 def test_row_arithmetic_by_hand():
@@ -123,12 +156,26 @@ def test_script_refuses_in_one_line_and_checks_the_mesh_against_the_slice():
     assert p.returncode == 2 and "there are 4 devices" in p.stderr.strip().splitlines()[-1]
     p, _ = aot_compile(*TINY, "--programs", "decode")
     assert p.returncode == 2 and "programs: ['decode']" in p.stderr.strip().splitlines()[-1]
+    p, _ = aot_compile(*TINY, "--mesh", "data=2,model=2", "--programs", "score")
+    assert p.returncode == 2 and p.stderr.strip().splitlines()[-1].startswith("error: mesh: 'data=2,model=2' is not")
+
+
+def test_mesh_layouts_name_their_axes_and_leave_the_rest_at_one():
+    assert aot.parse_mesh("data=2, tensor=2") == dict(data=2, fsdp=1, expert=1, tensor=2)
+    assert aot.parse_mesh("fsdp=-1,expert=8") == dict(data=1, fsdp=-1, expert=8, tensor=1)
+    flagship = base_config("gspo", "qwen3_30b_a3b")
+    assert dict(aot.with_mesh(flagship, "fsdp=4").mesh) == dict(data=1, fsdp=4, expert=1, tensor=1)
+    assert (flagship.mesh.fsdp, flagship.mesh.expert) == (-1, 8)  # a copy: the config itself is unchanged
+    for bad in ("data=0", "data=two", "data", "expert=2,model=2"):
+        with pytest.raises(ConfigError, match=r"mesh: .* is not 'axis=size,...' with axes in \('data'"):
+            aot.parse_mesh(bad)
 
 
 @pytest.mark.slow
 def test_ppo_train_step_compiles_for_a_slice_with_its_critic(tiny_slice, tmp_path):
     """PPO's step carries the critic's update: its state in the arguments, its work in the analytic FLOPs."""
-    p, rows = tiny_slice  # rows[0]: the critic-free train step of the same config and slice
+    p, rows = tiny_slice
+    rows = rows_of(rows, "fsdp=2,expert=2")  # rows[0]: the critic-free train step of the same config and mesh
     assert p.returncode == 0 and rows[0]["program"] == "train_step", p.stderr[-3000:]
     ppo = [*TINY[:1], "configs/ppo.py:tiny", *TINY[2:]]
     p2, rows2 = aot_compile(*ppo, "--programs", "train_step", tmp_path=tmp_path)

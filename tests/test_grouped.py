@@ -1,15 +1,20 @@
 """The grouped expert path (`gspo_jax.grouped`): its hand-written backward with the reference kernels
 (`lax.ragged_dot`) and with megablox run in Pallas interpret mode (the TPU kernels' own code) against
-the dense path, empty experts, "no expert" rows, and the `dispatch="auto"` rule."""
+the dense path, empty experts, "no expert" rows, the `dispatch="auto"` rule, and the kernels run per
+device in a shard_map on every mesh layout of the fake 8-device CPU mesh (tests/conftest.py)."""
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from flax import nnx
 
 from gspo_jax import grouped, moe, sharding
+from gspo_jax import model as model_lib
+from gspo_jax.sampler import Sampler, left_pad
 
 
 def inputs(N=40, D=32, F=16, E=6, K=2, empty=(3,), seed=0):
@@ -118,3 +123,101 @@ def test_unknown_kernels_are_refused_by_name():
     x = jnp.zeros((4, 8))
     with pytest.raises(ValueError, match="kernels='triton'"):
         grouped.gmm("triton", x, jnp.zeros((2, 8, 4)), jnp.array([2, 2], jnp.int32))
+
+
+# ------------------------------------------------------------------ every mesh layout
+
+# The layouts the TPU compiles in tests/test_aot.py guard; {}: one device.
+LAYOUTS = {
+    "one_device": {},
+    "data4": dict(data=4),
+    "fsdp4": dict(fsdp=4),
+    "data2_fsdp2": dict(data=2, fsdp=2),
+    "data2_tensor2": dict(data=2, tensor=2),
+    "fsdp2_expert2": dict(fsdp=2, expert=2),
+    "data2_expert2": dict(data=2, expert=2),
+}
+
+
+def grouped_layer_grads(axes, shape):
+    """An MoE layer with dispatch="grouped": its loss, output and gradients (params and input) on the mesh
+    `axes` (None: no mesh), and the text of its jaxpr."""
+    layer = moe.MoE(16, 4, 2, 8, renormalize=True, dispatch="grouped", rngs=nnx.Rngs(0))
+    graphdef, state = nnx.split(layer)
+    x = jax.random.normal(jax.random.key(1), (*shape, 16))
+    valid = jnp.ones(shape, bool)
+
+    def loss(state, x):
+        y, _ = nnx.merge(graphdef, state)(x, valid)
+        return jnp.sum(jnp.sin(y)), y
+
+    fn = jax.value_and_grad(loss, argnums=(0, 1), has_aux=True)
+    if axes is not None:
+        mesh = sharding.make_mesh(**axes)
+        fn = sharding.under_mesh(fn, mesh)
+        state = jax.device_put(state, sharding.param_shardings(mesh, state))
+        spec = sharding.logical_to_spec(("batch", None, None), shape=x.shape, mesh=mesh)
+        x = jax.device_put(x, jax.sharding.NamedSharding(mesh, spec))
+    traced = jax.jit(fn).trace(state, x)
+    return traced.lower().compile()(state, x), str(traced.jaxpr)
+
+
+@pytest.mark.parametrize(
+    "axes, shape, kernels",
+    [(axes, (4, 5), "xla") for axes in LAYOUTS.values()]
+    + [(LAYOUTS["data4"], (2, 5), "xla"), (LAYOUTS["data2_tensor2"], (2, 5), "interpret")],
+    ids=[*LAYOUTS, "data4_padded", "data2_tensor2_megablox_padded"],
+)
+def test_every_mesh_layout_runs_the_kernels_per_device_and_equals_one_device(axes, shape, kernels, monkeypatch):
+    """On a mesh of several devices the grouped kernels run inside a shard_map (XLA cannot partition a
+    Mosaic kernel's call): `moe.batch_parallel` without an expert axis (tokens over the data axes,
+    expert widths over "tensor"), `moe.expert_parallel` with one; on one device, no shard_map. Values
+    and gradients equal the run without a mesh, with the CPU's reference kernels or megablox's own code
+    (interpreted); (2, 5): 10 tokens padded to split over 4 devices."""
+    monkeypatch.setattr(grouped, "for_platform", lambda platform: kernels)
+    ((loss_ref, y_ref), g_ref), _ = grouped_layer_grads(None, shape)
+    ((loss, y), g), jaxpr = grouped_layer_grads(axes, shape)
+    several, expert_parallel = math.prod(axes.values()) > 1, axes.get("expert", 1) > 1
+    assert ("shard_map" in jaxpr) == several and ("all_to_all" in jaxpr) == expert_parallel
+    np.testing.assert_allclose(y, y_ref, atol=1e-5, rtol=1e-5)
+    np.testing.assert_allclose(loss, loss_ref, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(g), jax.tree.leaves(g_ref), strict=True):
+        np.testing.assert_allclose(a, b, atol=1e-5, rtol=1e-4)
+    assert all(float(jnp.abs(a).max()) > 0 for a in jax.tree.leaves(g))
+
+
+def test_the_other_dispatches_are_left_to_xla_without_an_expert_axis():
+    mesh = sharding.make_mesh(data=2, fsdp=2).abstract_mesh
+    for dispatch in ("sparse", "dense", "ragged"):
+        assert moe.parallel_experts(moe.dense_experts, dispatch, mesh) is moe.dense_experts
+    assert moe.parallel_experts(moe.dense_experts, "grouped", mesh).func is moe.batch_parallel
+    one = sharding.make_mesh().abstract_mesh
+    assert moe.parallel_experts(moe.dense_experts, "grouped", one) is moe.dense_experts
+
+
+def test_sampler_and_scoring_in_batch_chunks_on_a_mesh_equal_one_device():
+    """The grouped path's shard_map in a real program: the sampler's prefill in batch chunks and its
+    decode steps (one token per sequence, 2 per device), and the scoring forward in batch chunks, on
+    data=2 × tensor=2, equal the same programs on one device."""
+    cfg = model_lib.get_config("tiny", num_layers=1, dense_layers=(), dispatch="grouped", batch_chunks=2)
+    graphdef, state = nnx.split(model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
+    B, P, C = 4, 8, 6
+    rng = np.random.default_rng(0)
+    tokens, mask = left_pad([list(rng.integers(4, cfg.vocab_size, n)) for n in (3, 8, 5, 1)], P)
+    mesh = sharding.make_mesh(data=2, tensor=2)
+    sharded = jax.device_put(state, sharding.param_shardings(mesh, state))
+    on_one = Sampler(graphdef, cfg, B, P, C, max_top_k=16)(state, tokens, mask, jax.random.key(3))
+    on_mesh = Sampler(graphdef, cfg, B, P, C, max_top_k=16, mesh=mesh, state=state)(
+        sharded, tokens, mask, jax.random.key(3)
+    )
+    np.testing.assert_array_equal(on_mesh.tokens, on_one.tokens)
+    np.testing.assert_allclose(on_mesh.logp, on_one.logp, atol=1e-5)
+    np.testing.assert_array_equal(on_mesh.topk, on_one.topk)
+    positions = model_lib.positions_from_mask(on_one.prompt_mask | on_one.completion_mask)
+    score = functools.partial(model_lib.score, graphdef, 1.0)
+    logp, topk = jax.jit(score)(state, on_one.tokens, positions)
+    score_mesh = jax.jit(sharding.under_mesh(score, mesh))
+    logp_mesh, topk_mesh = score_mesh(sharded, on_one.tokens, positions)
+    assert "shard_map" in str(score_mesh.trace(sharded, on_one.tokens, positions).jaxpr)
+    np.testing.assert_allclose(logp_mesh, logp, atol=1e-5)
+    np.testing.assert_array_equal(topk_mesh, topk)
