@@ -12,6 +12,8 @@ What goes in `state`:
   and optax states holding `nnx.State`s are saved as they are: orbax 0.12.8 flattens them with their
   registered pytree keys and `StandardRestore` rebuilds the exact `nnx.State` / `Param` structure from
   the abstract tree, so no `nnx.to_pure_dict` round trip is needed.
+- A run's state is its `train.TrainState`; with `rollout.staleness` = k > 0, its fields beside the k
+  lagged policies (`staleness.saved`), so `params` is a top-level key in every run's checkpoint.
 - PRNG keys: pass `jax.random.key_data(key)` (uint32) and rebuild with `jax.random.wrap_key_data`.
   Orbax 0.12.8 happens to round-trip typed keys too, but raw key data is portable across orbax
   versions and PRNG implementations, so `save` refuses typed keys with an explicit error.
@@ -365,7 +367,8 @@ def resume(ckpt: Checkpointer, abstract: Any, prompts) -> tuple[int, Any] | None
         if ckpt.all_steps():
             raise CheckpointMismatch(
                 f"no checkpoint in {ckpt.directory} (steps {ckpt.all_steps()}) restores into this run's state: "
-                "they hold another model, or are all corrupt; use a new workdir"
+                "they hold another model or train state (another rollout.staleness or train.freeze_router), "
+                "or are all corrupt; use a new workdir"
             )
         return None
     _, state, meta = restored

@@ -37,7 +37,10 @@ from gspo_jax.validation import ConfigError, check, check_choice, check_int, is_
 
 SIZES = ("tiny", "default", "qwen3_30b_a3b")
 OLD_LOGP_SOURCES = ("sampler", "trainer")
-REPLAY = ("none", "R2", "R3")  # R2: π_old's routing recomputed by the trainer; R3: the sampler's
+# R2: π_old's routing recomputed by the trainer; R3: the sampler's expert ids; R3W: the sampler's ids and
+# their combine weights (weight replay).
+REPLAY = ("none", "R2", "R3", "R3W")
+SAMPLER_ROUTING = ("R3", "R3W")  # the replays of the sampler's routing
 
 _DEFAULT_MODEL = dict(
     vocab_size=128,
@@ -92,9 +95,11 @@ def missing_key(c: ml_collections.ConfigDict, key: str) -> str | None:
 
 
 def _optimizer_keys(**values) -> dict[str, Any]:
-    """Every `OptimizerConfig` key (AdamW, warmup then cosine decay), its defaults where not given."""
+    """Every `OptimizerConfig` key (AdamW, warmup then cosine decay), its defaults where not given;
+    `freeze_router` only where given (the policy's RL update, `config.train`, has it)."""
     opt = OptimizerConfig(**values)
-    return {f.name: getattr(opt, f.name) for f in dataclasses.fields(opt) if f.compare}
+    keep = lambda name: name != "freeze_router" or name in values
+    return {f.name: getattr(opt, f.name) for f in dataclasses.fields(opt) if f.compare and keep(f.name)}
 
 
 def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigDict:
@@ -130,7 +135,8 @@ def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigD
             # More micro-batches where one would hold over this many tokens per data-parallel device
             # (`update_microbatches`): the update's activations stay bounded however large the rollout.
             microbatch_tokens=4096,
-            **_optimizer_keys(learning_rate=1e-4, warmup_steps=5, max_grad_norm=1.0, b2=0.99),
+            # freeze_router: the MoE routers' weights out of the RL update (NeMo-RL's RL setting)
+            **_optimizer_keys(learning_rate=1e-4, warmup_steps=5, max_grad_norm=1.0, b2=0.99, freeze_router=False),
             old_logp_source="trainer",
             routing_replay="none",
             drift_metrics=True,
@@ -183,7 +189,9 @@ def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigD
         c.mesh.update(data=1, fsdp=-1, expert=8, tensor=1)  # -1: whatever devices remain
 
     # What makes the algorithm what it is, from its one home.
-    c.loss = _dataclass_dict(alg.loss_config(c.max_new_tokens))
+    # A key whose default is None (dual_clip_c, geo_mask_delta, ...) is a float placeholder: settable from the CLI.
+    loss = _dataclass_dict(alg.loss_config(c.max_new_tokens))
+    c.loss = {k: ml_collections.config_dict.placeholder(float) if v is None else v for k, v in loss.items()}
     c.rollout.update(advantage_scale=alg.advantage_scale, **alg.rollout)
     if alg.critic:
         critic = {k: v for k, v in _dataclass_dict(CriticConfig()).items() if k != "model"}
@@ -356,6 +364,8 @@ def build(c: ml_collections.ConfigDict, device_count: int | None = None) -> Buil
     task = _task(c.task)
     sampler = SamplerConfig(prompt_len=c.prompt_len, max_new_tokens=c.max_new_tokens)
     t, optimizer = _with_optimizer("train", TrainConfig, dict(c.train))
+    no_router = "False: the model has no MoE layer, so no router to freeze"
+    check(not optimizer.freeze_router or model_cfg.num_moe_layers > 0, "config", "train.freeze_router", True, no_router)
     check(isinstance(c.cpu_fast_compile, bool), "config", "cpu_fast_compile", c.cpu_fast_compile, "True or False")
     batch = rollout_cfg.num_groups * rollout_cfg.group_size
     check(
@@ -451,7 +461,7 @@ def _with_optimizer(name: str, cls, section: dict, nested: bool = False):
     """`config.<name>` as `cls` and the `OptimizerConfig` of its optimizer keys: (typed, optimizer),
     or with `nested` one `cls` holding it as its `optimizer` field."""
     optimizer = OptimizerConfig.from_config(section, f"config.{name}")
-    rest = {k: v for k, v in section.items() if k not in _optimizer_keys(learning_rate=1.0)}
+    rest = {k: v for k, v in section.items() if k not in _optimizer_keys(learning_rate=1.0, freeze_router=False)}
     if nested:
         return _typed(name, cls, {**rest, "optimizer": optimizer})
     return _typed(name, cls, rest), optimizer

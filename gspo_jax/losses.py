@@ -11,6 +11,9 @@ assembled from orthogonal pieces chosen by a frozen `LossConfig`:
                stop-gradient weight, SAPO's soft sigmoid gate, or VESPO's gamma kernel
   aggregation  how per-token (or per-sequence) losses become one number
 
+and, from outside, weights and masks on it: the sampler–trainer correction (`is_weight`), the mismatch
+masks (`keep`, zeroed inside the sum) and RSPO's router-shift weight on the ratio (`router_shift`).
+
 Shape letters: see `gspo_jax/__init__.py`. `mask_BT` is 1 on completion tokens, 0 on prompt and
 padding. All math is float32 whatever the input dtype. Formulas: docs/ALGORITHMS.md. Which loss each
 algorithm uses is declared in `gspo_jax/algorithms.py`.
@@ -26,6 +29,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from collections.abc import Callable
 from typing import NamedTuple
 
@@ -86,6 +90,19 @@ class LossConfig:
     is_correction: str = "none"
     is_level: str = "token"
     is_cap: float = 2.0
+    # Mismatch masks (`gspo_jax.mismatch`): a masked token's or completion's policy loss is zeroed inside
+    # the normalised sum (the denominator stays). IcePop: a token whose w = π_old / π_sampler leaves
+    # [icepop_low, icepop_high]. Geometric: a completion whose exp(mean_t log w) leaves [1 - δ, 1 + δ].
+    # Off-policy sequence masking (DeepSeek-V3.2): a completion with A < 0 whose mean_t of
+    # log π_sampler - log π_θ exceeds δ.
+    icepop: bool = False
+    icepop_low: float = 0.5
+    icepop_high: float = 5.0
+    geo_mask_delta: float | None = None
+    off_policy_mask_delta: float | None = None
+    # RSPO (`gspo_jax.router_shift`): every token's ratio × sg[max(γ, router_shift_floor)] before clipping.
+    router_shift: bool = False
+    router_shift_floor: float = 0.8
 
     def __post_init__(self):
         own = "LossConfig"
@@ -109,6 +126,20 @@ class LossConfig:
         check_number(own, "is_cap", self.is_cap, low=1.0, strict=True)
         if self.is_correction != "none" and self.ratio in SEQUENCE_LEVEL_RATIOS and self.is_level != "sequence":
             fail(own, "is_level", self.is_level, f"'sequence' with ratio={self.ratio!r} (one loss per sequence)")
+        check(isinstance(self.icepop, bool), own, "icepop", self.icepop, "True or False")
+        check_number(own, "icepop_low", self.icepop_low, low=0.0, strict=True)
+        high_ok = isinstance(self.icepop_high, numbers.Real) and math.isfinite(self.icepop_high)
+        high_ok = high_ok and not isinstance(self.icepop_high, bool) and self.icepop_high > self.icepop_low
+        check(high_ok, own, "icepop_high", self.icepop_high, f"it must be a number > icepop_low={self.icepop_low}")
+        if self.icepop and self.ratio in SEQUENCE_LEVEL_RATIOS:
+            why = "one loss per sequence: no token to mask; geo_mask_delta masks whole sequences"
+            fail(own, "icepop", True, f"it must be False with ratio={self.ratio!r} ({why})")
+        g = self.geo_mask_delta
+        geo_ok = g is None or (isinstance(g, numbers.Real) and not isinstance(g, bool) and 0.0 < g < 1.0)
+        check(geo_ok, own, "geo_mask_delta", g, "it must be a number in (0, 1) (keeps [1 - δ, 1 + δ]) or None")
+        check_number(own, "off_policy_mask_delta", self.off_policy_mask_delta, low=0.0, allow_none=True)
+        check(isinstance(self.router_shift, bool), own, "router_shift", self.router_shift, "True or False")
+        check_number(own, "router_shift_floor", self.router_shift_floor, low=0.0, high=1.0, strict=True)
         if self.ratio != "geometric":  # ratios are > 0: a lower bound below 0 clips nothing, silently
             check(self.eps_low <= 1.0, own, "eps_low", self.eps_low, "in [0, 1] (1 means no lower bound)")
         if self.gate not in GATES_FOR_RATIO[self.ratio]:
@@ -463,6 +494,8 @@ def policy_loss(
     *,
     denominator: Array | float | None = None,
     is_weight: Array | None = None,
+    keep: Array | None = None,
+    router_shift: Array | None = None,
     flipped: Array | None = None,
 ) -> tuple[Array, dict[str, Metric]]:
     """The configured policy loss and its diagnostics; pure and jittable (cfg is static).
@@ -477,6 +510,12 @@ def policy_loss(
       is_weight: a sampler–trainer importance weight (`mismatch.correction`, no gradient) multiplying
         each token's ([B, T]) or sequence's ([B]) policy loss; sequence-level ratios take [B] only.
         The VESPO gate instead folds it into W in log space (W·Π_t w_t), as TRL and the paper do.
+      keep: bool, the tokens ([B, T]) or sequences ([B]) whose policy loss counts (the mismatch masks:
+        IcePop, geometric, off-policy); the rest are zeroed inside the sum, the denominator unchanged.
+        Sequence-level ratios take [B] only.
+      router_shift: RSPO's weight γ̃ ([B, T], no gradient; `router_shift.shift_weight`) multiplying each
+        token's ratio before the ratio is clipped or aggregated: Δ ← Δ + log γ̃. The diagnostics
+        `ratio_*`, `approx_kl` and the flipped split stay those of π_θ / π_old.
       flipped: bool [B, T], tokens whose expert routing changed between π_old and π_θ; adds
         `split_diagnostics` (clip fraction and |log r| of flipped vs unflipped tokens).
     Returns:
@@ -490,6 +529,10 @@ def policy_loss(
     denom = jnp.maximum(jnp.asarray(denominator, jnp.float32), 1.0)
     clamp = cfg.log_ratio_clamp
     delta_BT = masked_log_ratio(logp_BT, old_BT, mask_BT)
+    raw_delta_BT = delta_BT  # π_θ / π_old, for the diagnostics
+    if router_shift is not None:  # RSPO: the ratio × γ̃, before any clip or aggregation
+        log_gamma_BT = jnp.log(_stop_weight(router_shift, mask_BT.shape, "router_shift"))
+        delta_BT = delta_BT + jnp.where(mask_BT, log_gamma_BT, 0.0)
     seq_ok_B = sequence_valid(mask_BT)
     gate = GATE_FNS[cfg.gate]
 
@@ -514,6 +557,8 @@ def policy_loss(
             seq_clipped_B = g.low | g.high | g.dual
         if is_weight is not None:
             loss_B = loss_B * _is_weight(is_weight, (adv.shape[0],))
+        if keep is not None:
+            loss_B = jnp.where(_keep(keep, (adv.shape[0],)), loss_B, 0.0)
         policy_num = jnp.sum(jnp.where(seq_ok_B, loss_B, 0.0))
         dual_BT = dual_B[:, None] & mask_BT
         weight_BT = jnp.broadcast_to(weight_B[:, None], mask_BT.shape)
@@ -538,6 +583,9 @@ def policy_loss(
         if is_weight is not None:
             w = jnp.asarray(is_weight)
             loss_BT = loss_BT * _is_weight(w[:, None] if w.ndim == 1 else w, mask_BT.shape)
+        if keep is not None:
+            k = jnp.asarray(keep)
+            loss_BT = jnp.where(_keep(k[:, None] if k.ndim == 1 else k, mask_BT.shape), loss_BT, 0.0)
         policy_num = token_loss_numerator(cfg.aggregation, loss_BT, mask_BT, cfg.sum_norm_len)
         weight_BT = g.weight
 
@@ -555,7 +603,7 @@ def policy_loss(
     loss = policy + kl_term
     metrics.update(
         _diagnostics(
-            clamp_log_ratio(delta_BT, clamp),
+            clamp_log_ratio(raw_delta_BT, clamp),
             log_s_B,
             adv,
             mask_BT,
@@ -570,7 +618,7 @@ def policy_loss(
     metrics.update(loss=Sum(loss), policy_loss=Sum(policy), kl_loss=Sum(kl_term), denominator=Mean(denom, 1))
     if flipped is not None:
         metrics.update(
-            split_diagnostics(clamp_log_ratio(delta_BT, clamp), low_BT | high_BT | dual_BT, mask_BT, flipped)
+            split_diagnostics(clamp_log_ratio(raw_delta_BT, clamp), low_BT | high_BT | dual_BT, mask_BT, flipped)
         )
     return loss, metrics
 
@@ -590,11 +638,23 @@ def split_diagnostics(delta_BT: Array, clipped_BT: Array, mask_BT: Array, flippe
     return out
 
 
+def _fits(x: Array, shape: tuple[int, ...], name: str) -> Array:
+    x = jnp.asarray(x)
+    if x.ndim != len(shape) or any(a not in (1, b) for a, b in zip(x.shape, shape)):
+        raise ValueError(f"policy_loss: {name} of shape {x.shape} does not fit {shape}")
+    return x
+
+
 def _is_weight(w: Array, shape: tuple[int, ...]) -> Array:
-    w = jnp.asarray(w)
-    if w.ndim != len(shape) or any(a not in (1, b) for a, b in zip(w.shape, shape)):
-        raise ValueError(f"policy_loss: is_weight of shape {w.shape} does not fit {shape}")
-    return jax.lax.stop_gradient(w.astype(jnp.float32))
+    return _stop_weight(w, shape, "is_weight")
+
+
+def _stop_weight(w: Array, shape: tuple[int, ...], name: str) -> Array:
+    return jax.lax.stop_gradient(_fits(w, shape, name).astype(jnp.float32))
+
+
+def _keep(k: Array, shape: tuple[int, ...]) -> Array:
+    return _fits(k, shape, "keep").astype(bool)
 
 
 def _log_is_weight_sum(is_weight: Array, mask_BT: Array, clamp: float) -> Array:

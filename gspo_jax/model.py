@@ -27,7 +27,7 @@ import numpy as np
 from flax import nnx
 from jax.experimental.layout import Layout, with_layout_constraint
 
-from gspo_jax import compiles, flash, moe, sharding
+from gspo_jax import compiles, flash, moe, router_shift, sharding
 from gspo_jax.losses import sequence_logprobs_from_hidden
 from gspo_jax.validation import check, check_choice, check_int, check_number
 
@@ -264,6 +264,7 @@ class ModelAux(NamedTuple):
     """
 
     topk: jax.Array  # int32 [B, L, T, K] experts used (the forced ones under replay)
+    gates: jax.Array  # float32 [B, L, T, K] their combine weights (the forced ones under weight replay)
     router_logits: jax.Array | None  # float32 [B, L, T, E] when asked for
     lb_loss: jax.Array
     z_loss: jax.Array
@@ -461,14 +462,16 @@ class Block(nnx.Module):
         else:
             self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, param_dtype=pd, rngs=rngs)
 
-    def __call__(self, x_BTD, positions_BT, rope, kv=None, forced_topk_BTK=None, return_kv=False):
-        """Returns (x, new_kv, router stats or None); see `Attention` for `kv` and `return_kv`."""
+    def __call__(self, x_BTD, positions_BT, rope, kv=None, forced_BTK=None, return_kv=False):
+        """Returns (x, new_kv, router stats or None); see `Attention` for `kv` and `return_kv`, and
+        `Transformer.hidden` for `forced_BTK` (a routing to replay: ids, or ids and gates)."""
         x_BTD = sharding.constrain(x_BTD, ACTIVATION)
         h_BTD, new_kv = self.self_attn(self.input_layernorm(x_BTD), positions_BT, rope, kv, return_kv)
         x_BTD = x_BTD + h_BTD
         h_BTD = self.post_attention_layernorm(x_BTD)
         if self.is_moe:
-            h_BTD, stats = self.mlp(h_BTD, positions_BT >= 0, forced_topk_BTK)
+            topk_BTK, gates_BTK = forced_BTK if isinstance(forced_BTK, tuple) else (forced_BTK, None)
+            h_BTD, stats = self.mlp(h_BTD, positions_BT >= 0, topk_BTK, gates_BTK)
         else:
             h_BTD, stats = self.mlp(h_BTD), None
         return sharding.constrain(x_BTD + h_BTD.astype(x_BTD.dtype), ACTIVATION), new_kv, stats
@@ -517,7 +520,7 @@ class Stack(nnx.Module):
         if kvs is not None:
             outs = []
             for j in range(self.n):
-                forced = None if forced_nBTK is None else forced_nBTK[j]
+                forced = jax.tree.map(lambda a, j=j: a[j], forced_nBTK)
                 # Behind a barrier XLA:CPU hoists a slice out of a decode loop (alone it is "not worth
                 # hoisting" and is copied every step); XLA:GPU copied it every step even so (issue 40:
                 # 1.6 of 3.4 ms per step at the real dims), hence `layers`.
@@ -605,8 +608,8 @@ class Transformer(nnx.Module):
         B, T = tokens_BT.shape
         chex.assert_shape(positions_BT, (B, T), custom_message="positions must be [B, T] like tokens")
         L, K = cfg.num_moe_layers, max(cfg.top_k, 1)
-        if forced_topk is not None:
-            chex.assert_shape(forced_topk, (B, L, T, K), custom_message="forced_topk must be [B, L, T, K]")
+        for forced_BLTK in jax.tree.leaves(forced_topk):  # ids, or (ids, gates)
+            chex.assert_shape(forced_BLTK, (B, L, T, K), custom_message="forced_topk must be [B, L, T, K]")
         positions_BT = positions_BT.astype(jnp.int32)
         x_BTD = sharding.constrain(jnp.take(self.embed_tokens[...], tokens_BT, axis=0).astype(dtype), ACTIVATION)
         if cache is not None:
@@ -621,7 +624,8 @@ class Transformer(nnx.Module):
                 kvs = [(cache.k[i], cache.v[i], key_pos_BS, index) for i in range(first, first + n)]
             forced = None
             if forced_topk is not None and stack.is_moe:
-                forced = forced_topk[:, moe_seen : moe_seen + n].transpose(1, 0, 2, 3)
+                layers_of = lambda a, i=moe_seen, n=n: a[:, i : i + n].transpose(1, 0, 2, 3)
+                forced = jax.tree.map(layers_of, forced_topk)
             fill = cache is not None and empty_cache
             stack_layers = None if layers is None or kvs is None else layers[i_stack]
             x_BTD, kvs, s = stack(
@@ -642,6 +646,7 @@ class Transformer(nnx.Module):
 
         if stats:
             topk_BLTK = jnp.concatenate([s.topk_BTK for s in stats], axis=0).transpose(1, 0, 2, 3)
+            gates_BLTK = jnp.concatenate([s.gates_BTK for s in stats], axis=0).transpose(1, 0, 2, 3)
             router_logits = None
             if return_router_logits:
                 router_logits = jnp.concatenate([s.logits_BTE for s in stats], axis=0).transpose(1, 0, 2, 3)
@@ -649,6 +654,7 @@ class Transformer(nnx.Module):
             z_loss = jnp.mean(jnp.concatenate([s.z_loss for s in stats]))
         else:
             topk_BLTK = jnp.zeros((B, 0, T, K), jnp.int32)
+            gates_BLTK = jnp.zeros((B, 0, T, K), jnp.float32)
             router_logits = jnp.zeros((B, 0, T, cfg.num_experts), jnp.float32) if return_router_logits else None
             lb_loss = z_loss = jnp.zeros((), jnp.float32)
         new_cache = None
@@ -656,6 +662,7 @@ class Transformer(nnx.Module):
             new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), positions=key_pos_BS, index=index + T)
         aux = ModelAux(
             topk=topk_BLTK,
+            gates=gates_BLTK,
             router_logits=router_logits,
             lb_loss=lb_loss,
             z_loss=z_loss,
@@ -679,7 +686,8 @@ def apply(
     tokens, positions: int32 [B, T] (negative position = padding). With `cache`, the T
     tokens are written at slots cache.index.. and attend over the whole cache; the
     updated cache is in aux.cache (the caller must keep index + T <= max_len; past it
-    the write start is clamped). `forced_topk` [B, L, T, K] replays a routing.
+    the write start is clamped). `forced_topk` [B, L, T, K] replays a routing's expert ids; a pair
+    (ids, gates), both [B, L, T, K], replays their combine weights too (`moe.route`).
     Jit with `graphdef` and `return_router_logits` static, e.g.
     `jax.jit(functools.partial(apply, graphdef), static_argnames="return_router_logits")`.
     """
@@ -702,6 +710,25 @@ def score(
     def one(tokens_BT, positions_BT, forced_topk_BLTK):
         logp_BT, aux = logprobs(graphdef, state, tokens_BT, positions_BT, forced_topk_BLTK, temperature)
         return logp_BT, aux.topk
+
+    chunks = nnx.merge(graphdef, state).cfg.batch_chunks
+    return in_batch_chunks(one, chunks, tokens_BT, positions_BT, forced_topk_BLTK)
+
+
+def score_with_router(
+    graphdef: nnx.GraphDef,
+    temperature: float,
+    state: nnx.State,
+    tokens_BT: jax.Array,
+    positions_BT: jax.Array,
+    forced_topk_BLTK: jax.Array | None = None,
+) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """`score`, and the router's log-probabilities at the experts the forward used, float32 [B, L, T, K]
+    (`router_shift.expert_logprobs`): π_old's, for RSPO's router-shift ratio. The same forward."""
+
+    def one(tokens_BT, positions_BT, forced_topk_BLTK):
+        logp_BT, aux = logprobs(graphdef, state, tokens_BT, positions_BT, forced_topk_BLTK, temperature, True)
+        return logp_BT, aux.topk, router_shift.expert_logprobs(aux.router_logits, aux.topk)
 
     chunks = nnx.merge(graphdef, state).cfg.batch_chunks
     return in_batch_chunks(one, chunks, tokens_BT, positions_BT, forced_topk_BLTK)

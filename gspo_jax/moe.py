@@ -554,7 +554,13 @@ class MoE(nnx.Module):
     ) -> tuple[jax.Array, RouterOutput]:
         """Mixes each token's top-k experts; `valid_BT` masks padding out of the aux losses. Replay:
         `forced_topk_BTK` fixes the experts, `forced_gates_BTK` their combine weights too (`route`)."""
-        logits_BTE = jnp.einsum("btd,de->bte", x_BTD.astype(jnp.float32), self.router[...].astype(jnp.float32))
+        # float32 at full precision on every backend: TPUs (bf16 passes) and GPUs (TF32) default lower.
+        logits_BTE = jnp.einsum(
+            "btd,de->bte",
+            x_BTD.astype(jnp.float32),
+            self.router[...].astype(jnp.float32),
+            precision=jax.lax.Precision.HIGHEST,
+        )
         topk_BTK, gates_BTK, probs_BTE = route(
             logits_BTE, self.top_k, self.renormalize, forced_topk_BTK, forced_gates_BTK
         )

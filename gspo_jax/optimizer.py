@@ -1,5 +1,6 @@
 """The optimizer of a run (RL updates and the supervised warm start alike): AdamW on a linear-warmup,
-cosine-decay schedule, after optional global-norm clipping; and its state, initialised on the mesh."""
+cosine-decay schedule, after optional global-norm clipping, with the MoE router optionally frozen; and
+its state, initialised on the mesh."""
 
 from __future__ import annotations
 
@@ -26,6 +27,9 @@ class OptimizerConfig:
     max_grad_norm: float = 0.0  # 0: no clipping
     b1: float = 0.9
     b2: float = 0.999
+    # The MoE router's weights (`moe.MoE.router`) out of the update: no gradient step, no weight decay
+    # (`frozen_router`). The RL setting of NeMo-RL (`freeze_moe_router`); `config.train` only.
+    freeze_router: bool = False
     owner: str = dataclasses.field(default="OptimizerConfig", compare=False, repr=False)  # for error messages
 
     def __post_init__(self):
@@ -39,6 +43,7 @@ class OptimizerConfig:
             v = getattr(self, f)
             check_number(own, f, v, low=0.0)
             check(v < 1, own, f, v, "it must be in [0, 1)")
+        check(isinstance(self.freeze_router, bool), own, "freeze_router", self.freeze_router, "True or False")
 
     @classmethod
     def from_config(cls, section: Mapping, owner: str) -> OptimizerConfig:
@@ -46,26 +51,61 @@ class OptimizerConfig:
         return cls(**{k: section[k] for k in names if k in section}, owner=owner)
 
 
-def clip_by_global_norm(max_norm: float) -> optax.GradientTransformationExtraArgs:
+def clip_by_global_norm(max_norm: float, given_norm: bool = True) -> optax.GradientTransformationExtraArgs:
     """Global-norm clipping with optax's (empty) state, as one scalar factor min(1, max_norm / ‖g‖)
     multiplied in (PyTorch's `clip_grad_norm_` form): unclipped gradients pass bit for bit, clipped
     ones within an ulp of optax's `(g / ‖g‖) · max_norm`. A per-element divide is what XLA:CPU will
     not fuse into both moments' updates, so it wrote every clipped gradient out and read it back; a
     multiply by a scalar it fuses. Takes the norm as `grad_norm=` when the caller has it already (the
-    train step computes it for its metrics): no second pass over the gradients."""
+    train step computes it for its metrics): no second pass over the gradients. With `given_norm`
+    False it computes its own (a frozen router's gradients, zeroed before it, must not count)."""
 
     def update(updates, state, params=None, *, grad_norm=None, **extra_args):
         del params, extra_args
-        norm = optax.tree.norm(updates) if grad_norm is None else grad_norm
+        norm = optax.tree.norm(updates) if grad_norm is None or not given_norm else grad_norm
         factor = jnp.minimum(1.0, max_norm / norm)  # exactly 1 below the bound; NaN or 0 if norm is not finite
         return jax.tree.map(lambda t: t * factor.astype(t.dtype), updates), state
 
     return optax.GradientTransformationExtraArgs(optax.init_empty_state, update)
 
 
+ROUTER = "router"  # the MoE router's parameter name (`moe.MoE.router`)
+
+
+def is_router(path) -> bool:
+    """Whether a parameter tree's key path leads to an MoE router's weights (any layer, scanned or not)."""
+    keys = sharding_lib.path_key(path)
+    return bool(keys) and keys[-1] == ROUTER
+
+
+def router_leaves(params) -> list[jax.Array]:
+    """The MoE routers' weights of `params`, in tree order (empty for a dense model)."""
+    return [x for path, x in jax.tree_util.tree_flatten_with_path(params)[0] if is_router(path)]
+
+
+@jax.jit
+def distance(a, b) -> jax.Array:
+    """‖a − b‖₂ over two trees of one structure: how far an iteration moved some parameters."""
+    return optax.tree.norm(jax.tree.map(jnp.subtract, a, b))
+
+
+def frozen_router() -> optax.GradientTransformation:
+    """Sets the routers' leaves of the updates to −0.0 (stateless): x + (−0.0) is x for every float x,
+    −0.0 included, so a frozen router's weights come out of `optax.apply_updates` bit for bit."""
+
+    def update(updates, state, params=None):
+        del params
+        freeze = lambda path, u: jnp.full_like(u, -0.0) if is_router(path) else u
+        return jax.tree_util.tree_map_with_path(freeze, updates), state
+
+    return optax.GradientTransformation(optax.init_empty_state, update)
+
+
 @functools.cache
 def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformationExtraArgs:
     """AdamW with linear warmup then cosine decay to end_lr_factor·lr over `total_steps` updates.
+    With `freeze_router` the routers' gradients are zeroed first (out of the clipping norm, their
+    moments stay 0) and their updates last (AdamW's weight decay moves a weight even at gradient 0).
 
     Cached: equal configs give the same (stateless) transformation, so functions jitted with it as a
     static argument compile once per process."""
@@ -77,6 +117,9 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTran
         end_value=cfg.learning_rate * cfg.end_lr_factor,
     )
     adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay)
+    if cfg.freeze_router:
+        clip = [clip_by_global_norm(cfg.max_grad_norm, given_norm=False)] if cfg.max_grad_norm > 0 else []
+        return optax.chain(frozen_router(), *clip, adamw, frozen_router())
     if cfg.max_grad_norm > 0:
         return optax.chain(clip_by_global_norm(cfg.max_grad_norm), adamw)
     return optax.with_extra_args_support(adamw)

@@ -21,7 +21,15 @@ from gspo_jax import model as model_lib
 from gspo_jax import optimizer as optimizer_lib
 from gspo_jax import sharding as sharding_lib
 from gspo_jax.compiles import Program
-from gspo_jax.train import Scored, StepConfig, TrainBatch, TrainState, shares_old_forward, train_step
+from gspo_jax.train import (
+    Scored,
+    StepConfig,
+    TrainBatch,
+    TrainState,
+    carries_old_router,
+    shares_old_forward,
+    train_step,
+)
 
 
 class Programs(NamedTuple):
@@ -31,7 +39,7 @@ class Programs(NamedTuple):
     take: Callable  # (batch, rows) -> the batch's rows, on the mesh (minibatches, drift sub-samples)
     take_scored: Callable  # (Scored, rows) -> its rows, on the mesh
     score: Program  # (params, tokens, positions) -> (logp [B, T], topk [B, L, T, K])
-    score_replayed: Program  # (params, tokens, positions, topk) -> the same, routed by `topk` (R3's π_old)
+    score_replayed: Program  # (params, tokens, positions, topk or (topk, gates)) -> the same, so routed (R3)
     drift: Program  # (params, batch) -> drift metrics (routing.measure_drift)
     estimate: Program | None  # (critic params, batch, rewards [B]) -> (batch with GAE advantages, metrics)
     init_critic: Callable[[nnx.State], critic_lib.CriticState] | None  # (policy params) -> the critic's state
@@ -39,6 +47,9 @@ class Programs(NamedTuple):
     optimizer: optax.GradientTransformation
     state_shardings: TrainState
     batch_shardings: TrainBatch
+    # (params, tokens, positions, None or as score_replayed's) -> (logp, topk, router log-probs at topk
+    # [B, L, T, K]): π_old's scoring with its router, for RSPO (`train.carries_old_router`); else None
+    score_router: Program | None = None
 
     @property
     def on_policy(self) -> bool:
@@ -70,7 +81,11 @@ def compile_programs(built: config_lib.Built, graphdef, params, mesh: jax.shardi
     # resumed in the same process) reuse the compilation.
     on_mesh = functools.partial(sharding_lib.under_mesh, mesh=mesh)
     critic_cfg = built.critic
-    batch_sh = TrainBatch.shardings(mesh, bool(critic_cfg))
+    old_router = carries_old_router(built)
+    batch_sh = TrainBatch.shardings(
+        mesh, bool(critic_cfg), weight_replay=t.routing_replay == "R3W", old_router=old_router
+    )
+    forced_sh = (batch_sh.topk, batch_sh.gates) if batch_sh.gates is not None else batch_sh.topk
     scored_sh = Scored(batch_sh.old_logp, batch_sh.topk)
     critic_static = estimate = init_critic = None
     options = compiles.step_options(built.cpu_fast_compile)  # XLA:CPU's fast-compile code generation or not
@@ -99,7 +114,7 @@ def compile_programs(built: config_lib.Built, graphdef, params, mesh: jax.shardi
         replay=t.routing_replay,
         microbatches=built.microbatches,
         routing_diagnostics=t.routing_diagnostics,
-        on_policy=shares_old_forward(t, built.loss, critic_cfg),
+        on_policy=shares_old_forward(t, built.loss, critic_cfg, built.rollout.staleness),
         critic=critic_static,
     )
     step = jax.jit(
@@ -120,10 +135,20 @@ def compile_programs(built: config_lib.Built, graphdef, params, mesh: jax.shardi
     score_replayed = jax.jit(
         on_mesh(model_lib.score),
         static_argnums=(0, 1),
-        in_shardings=(param_sh, batch_sh.tokens, batch_sh.positions, batch_sh.topk),
+        in_shardings=(param_sh, batch_sh.tokens, batch_sh.positions, forced_sh),
         out_shardings=(batch_sh.old_logp, batch_sh.topk),
         compiler_options=options,
     )
+    score_router = None
+    if old_router:  # one program, live (forced None: none, R2) or replayed (R3, R3W): one compile per run
+        score_router = jax.jit(
+            on_mesh(model_lib.score_with_router),
+            static_argnums=(0, 1),
+            in_shardings=(param_sh, batch_sh.tokens, batch_sh.positions, forced_sh),
+            out_shardings=(batch_sh.old_logp, batch_sh.topk, batch_sh.old_router_logp),
+            compiler_options=options,
+        )
+        score_router = Program(score_router, graphdef, temperature)
     drift = jax.jit(
         on_mesh(routing.measure_drift),
         static_argnums=(0, 1, 2),
@@ -144,12 +169,13 @@ def compile_programs(built: config_lib.Built, graphdef, params, mesh: jax.shardi
         optimizer=tx,
         state_shardings=state_sh,
         batch_shardings=batch_sh,
+        score_router=score_router,
     )
 
 
 def compile_in_background(programs: Programs, built: config_lib.Built, params) -> Programs:
     """`programs` with the train step and the drift measurement compiled now, on a background thread, for
-    the shapes `train.rl_iteration` calls them with, while the run initialises, evaluates and samples
+    the shapes `iteration.rl_iteration` calls them with, while the run initialises, evaluates and samples
     its first rollout (on 2 CPU cores the `iteration` shape's first row comes ~1 s sooner)."""
     t, B, T = built.train, built.batch_size, built.sampler.seq_len
     batch = lambda rows: sharding_lib.abstract(TrainBatch.abstract(built, rows, T), programs.batch_shardings)

@@ -49,11 +49,16 @@ class RolloutConfig:
     # the machine's core count). One device only. 0: 2 on a one-device mesh when the batch is even,
     # else 1 (`threads`).
     sampler_threads: int = 0
+    # Bounded staleness: iteration i samples with the policy of k iterations before today's (the
+    # warm start while there is none that old), as an asynchronous trainer with max_staleness = k
+    # would; that policy is π_old. 0: on-policy. Holds k parameter copies on the device (`staleness`).
+    staleness: int = 0
 
     def __post_init__(self):
         own = "RolloutConfig"
         for f in ("num_groups", "max_rounds"):
             check_int(own, f, getattr(self, f), low=1)
+        check_int(own, "staleness", self.staleness, low=0)
         check_int(own, "sampler_threads", self.sampler_threads, low=0)
         # A group of one has advantage 0 whatever its reward: nothing would be learned.
         check_int(own, "group_size", self.group_size, low=2)
@@ -100,10 +105,12 @@ class RolloutBatch:
     group_ids: np.ndarray  # int32 [B]: the prompt each completion answers, unique within the batch
     lengths: np.ndarray  # int32 [B]
     truncated: np.ndarray  # bool [B]
+    gates: jax.Array | None = None  # float32 [B, L, T, K]: the sampler's combine weights (R3W replay)
 
 
-# The per-token sampler outputs a batch is assembled from, in this order.
+# The per-token sampler outputs a batch is assembled from, in this order (and "gates" when recorded).
 _TOKEN_FIELDS = ("tokens", "prompt_mask", "completion_mask", "logp", "topk")
+_ROUTING_FIELDS = ("topk", "gates")  # [B, L, T, K]
 
 
 class Sampled(NamedTuple):
@@ -169,10 +176,11 @@ class Rollout:
             )
         self.sampler, self.task, self.tokenizer, self.cfg = sampler, task, tokenizer, cfg
         self.rows = multihost.local_rows(sampler.batch_sharding(2), sampler.batch_size)  # this process's
+        self._fields = _TOKEN_FIELDS + (("gates",) if sampler.record_gates else ())
         if sampler.mesh is None:
             self._pick, self._loss_mask = jax.jit(_pick), jax.jit(_loss_mask)
         else:
-            b = {f: sampler.batch_sharding(4 if f == "topk" else 2) for f in _TOKEN_FIELDS}
+            b = {f: sampler.batch_sharding(4 if f in _ROUTING_FIELDS else 2) for f in self._fields}
             rep = jax.sharding.NamedSharding(sampler.mesh, jax.sharding.PartitionSpec())
             self._pick = jax.jit(_pick, in_shardings=(b, b, rep, rep), out_shardings=b)
             self._loss_mask = jax.jit(_loss_mask, out_shardings=b["tokens"])
@@ -256,13 +264,14 @@ class Rollout:
             group_ids=np.repeat(np.arange(cfg.num_groups, dtype=np.int32), G),
             lengths=host(lambda x: x.sampled.lengths),
             truncated=truncated,
+            gates=fields.get("gates"),
         )
         return batch, self._metrics(rounds, len(picks) - shortfall, shortfall)
 
     def _assemble(self, rounds, src_round, src_row) -> dict[str, jax.Array]:
         """The picked rows' per-token sampler outputs, gathered on the device (one compile however many
         rounds were drawn; nothing moves when the batch is round 0 as it came)."""
-        field = lambda r: {f: getattr(rounds[r].sampled.out, f) for f in _TOKEN_FIELDS}
+        field = lambda r: {f: getattr(rounds[r].sampled.out, f) for f in self._fields}
         acc = field(0)
         if np.all(src_round == 0) and np.array_equal(src_row, np.arange(len(src_row))):
             return acc

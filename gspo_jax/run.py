@@ -1,7 +1,7 @@
 """The main job, `train_and_evaluate`: a run in its workdir. It builds the run's pieces (the policy,
-its programs, the sampler and rollout), warm-starts, then loops `train.rl_iteration` with evaluation,
-logging and checkpoints, resuming from the workdir's latest good checkpoint and stopping cleanly on
-SIGTERM / SIGINT."""
+its programs, the sampler and rollout), warm-starts, then loops `iteration.rl_iteration` with evaluation,
+logging and checkpoints, resuming from the workdir's latest good checkpoint (the lagged policies of
+`rollout.staleness` included) and stopping cleanly on SIGTERM / SIGINT."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ from pathlib import Path
 import jax
 import ml_collections
 
-from gspo_jax import compiles, multihost, plots
+from gspo_jax import compiles, multihost, plots, staleness
 from gspo_jax import config as config_lib
+from gspo_jax import iteration as iteration_lib
 from gspo_jax import model as model_lib
 from gspo_jax import programs as programs_lib
 from gspo_jax import sharding as sharding_lib
-from gspo_jax import train as train_lib
 from gspo_jax import workdir as workdir_lib
 from gspo_jax.checkpoint import Checkpointer, PreemptionGuard, resume
 from gspo_jax.compiles import CompileCounter
@@ -96,6 +96,7 @@ def make_rollout(built: config_lib.Built, graphdef, params, mesh: jax.sharding.M
         state=params,
         threads=built.rollout.threads(mesh.devices.size),
         compiler_options=compiles.step_options(built.cpu_fast_compile),
+        record_gates=built.train.routing_replay == "R3W",
     )
     return Rollout(sampler, built.task, load_tokenizer(built.tokenizer_path or None), built.rollout)
 
@@ -120,13 +121,19 @@ def _run(
     prompts = prompt_iterator(built.task, seed=built.seed, split="train")
     ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=t.keep_checkpoints, save_every=t.checkpoint_every)
     with ckpt, MetricWriter(workdir) as writer, PreemptionGuard(sigint=True) as guard:
-        restored = resume(ckpt, programs_lib.abstract_train_state(programs, params), prompts)  # before any work
+        abstract = programs_lib.abstract_train_state(programs, params)
+        k = built.rollout.staleness  # its lagged policies are checkpointed beside the train state
+        restored = resume(ckpt, staleness.abstract(abstract, k), prompts)  # before any work
         params, warm_start_info = warm_start(
             built, warm_start_key, graphdef, params, mesh=mesh, rollout=rollout, workdir=workdir
         )
         kl_reward = built.critic is not None and built.critic.kl_reward_coef > 0
         ref_params = params if built.loss.kl_coef > 0 or kl_reward else None
-        start, state = restored or (0, programs_lib.init_train_state(programs, params, built.seed))
+        if restored:
+            start, (state, lag) = restored[0], staleness.restored(restored[1], abstract)
+        else:
+            start, state = 0, programs_lib.init_train_state(programs, params, built.seed)
+            lag = staleness.PolicyLag.fresh(k, state.params)  # k slots, all the warm start
         if is_main:  # rows past the restored step were logged by work the resumed run redoes
             workdir_lib.drop_rows_after(workdir, start if restored else -1)
         if not restored:
@@ -136,7 +143,7 @@ def _run(
         bar = Progress(t.num_iterations, start, built.algorithm, every=log_every, enabled=progress)
         for it in range(start, t.num_iterations):
             counter = CompileCounter()  # logged as xla_compiles: 0 after the first iteration
-            state, metrics = train_lib.rl_iteration(programs, rollout, t, state, prompts, it, ref_params)
+            state, metrics = iteration_lib.rl_iteration(programs, rollout, t, state, prompts, it, ref_params, lag)
             t0 = time.perf_counter()
             if (it + 1) % t.eval_every == 0 or it + 1 == t.num_iterations:
                 metrics.update(evaluate_and_log(it + 1, state.params), eval_seconds=time.perf_counter() - t0)
@@ -147,7 +154,7 @@ def _run(
             last = metrics
             meta = dict(iteration=it, prompts=prompts.state())
             stop = multihost.any_process(guard.requested)  # a signal may reach only some hosts
-            ckpt.save(it + 1, state, meta, force=stop or it + 1 == t.num_iterations)
+            ckpt.save(it + 1, staleness.saved(state, lag), meta, force=stop or it + 1 == t.num_iterations)
             bar.update(metrics)
             if stop and it + 1 < t.num_iterations:  # a stop during the last iteration: the run has finished
                 bar.close()

@@ -1,8 +1,8 @@
 """The JAX sampler: one prefill of left-padded prompts, then a `lax.while_loop` decode over a donated KV cache.
 
 It is where π_old is born: besides the tokens it returns the log-prob of every sampled token and the
-router top-k of every position the model processed, so the trainer can check its recomputation and
-replay the sampler's routing (R3).
+router top-k of every position the model processed (and, with `record_gates`, their combine weights),
+so the trainer can check its recomputation and replay the sampler's routing (R3; R3W with the weights).
 
 Static (one compile each): batch B, prompt bucket P, max new tokens C, `max_top_k` (Z candidates).
 Traced (changing them never recompiles): temperature, top-k, top-p, the RNG key, the EOS ids, the pad
@@ -32,7 +32,7 @@ MAX_EOS_IDS = 4  # EOS ids travel as a fixed-size int32 vector padded with -1
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["tokens", "prompt_mask", "completion_mask", "logp", "lengths", "truncated", "topk"],
+    data_fields=["tokens", "prompt_mask", "completion_mask", "logp", "lengths", "truncated", "topk", "gates"],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
@@ -51,11 +51,12 @@ class SampleOutput:
     lengths: jax.Array  # int32 [B]: completion tokens, EOS included
     truncated: jax.Array  # bool [B]: no EOS within C tokens
     topk: jax.Array  # int32 [B, L, T, K]: router choices where the model ran (0 elsewhere)
+    gates: jax.Array | None = None  # float32 [B, L, T, K]: their combine weights (`record_gates` only)
 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["step", "cache", "logits", "key", "done", "tokens", "logp", "mask", "topk"],
+    data_fields=["step", "cache", "logits", "key", "done", "tokens", "logp", "mask", "topk", "gates"],
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
@@ -71,6 +72,7 @@ class DecodeState:
     logp: jax.Array  # float32 [B, C]
     mask: jax.Array  # bool [B, C]: live (not yet past EOS) when sampled
     topk: jax.Array  # int32 [B, L, C, K]
+    gates: jax.Array | None  # float32 [B, L, C, K] (`record_gates` only)
 
 
 def left_pad(token_lists: Sequence[Sequence[int]], length: int, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -130,6 +132,7 @@ def _generate(
     max_new_tokens: int,
     max_top_k: int,
     chunk: int,
+    record_gates: bool,
     state,
     cache,
     prompt_BP,
@@ -147,9 +150,9 @@ def _generate(
     # The donated cache of the previous call is reused: emptying its slot positions is enough.
     cache = dataclasses.replace(cache, positions=jnp.full_like(cache.positions, -1), index=jnp.zeros_like(cache.index))
     pos_BP = model_lib.positions_from_mask(prompt_mask_BP)
-    logits_BV, prompt_topk, cache = _prefill(model, prompt_BP, pos_BP, cache)
+    logits_BV, prompt_routing, cache = _prefill(model, prompt_BP, pos_BP, cache, record_gates)
     n_prompt_B = jnp.sum(prompt_mask_BP, axis=-1).astype(jnp.int32)
-    _, L, _, K = prompt_topk.shape
+    _, L, _, K = prompt_routing[0].shape
     layers = model.decode_layers()  # sliced from the stacks once per call, outside the loop
 
     def cond(d: DecodeState):
@@ -164,6 +167,10 @@ def _generate(
         is_eos_B = jnp.any(tok_B[:, None] == eos_ids[None, :], axis=-1) & live_B
         logits_B1V, step_aux = model(tok_B[:, None], (n_prompt_B + i)[:, None], cache=d.cache, layers=layers)
         col = lambda buf_BC, x_B: jax.lax.dynamic_update_slice_in_dim(buf_BC, x_B[:, None], i, axis=1)
+        # Zeros (an untouched column) for the steps a chunk runs after every row has stopped.
+        put = lambda buf_BLCK, x_BL1K: jax.lax.dynamic_update_slice_in_dim(
+            buf_BLCK, jnp.where(jnp.any(live_B), x_BL1K, 0).astype(buf_BLCK.dtype), i, axis=2
+        )
         return DecodeState(
             step=i + 1,
             cache=step_aux.cache,
@@ -173,8 +180,8 @@ def _generate(
             tokens=col(d.tokens, tok_B),
             logp=col(d.logp, jnp.where(live_B, logp_B, 0.0)),
             mask=col(d.mask, live_B),
-            # Zeros (an untouched column) for the steps a chunk runs after every row has stopped.
-            topk=jax.lax.dynamic_update_slice_in_dim(d.topk, jnp.where(jnp.any(live_B), step_aux.topk, 0), i, axis=2),
+            topk=put(d.topk, step_aux.topk),
+            gates=None if d.gates is None else put(d.gates, step_aux.gates),
         )
 
     def steps(d: DecodeState) -> DecodeState:
@@ -195,6 +202,7 @@ def _generate(
             logp=jnp.zeros((B, C), jnp.float32),
             mask=jnp.zeros((B, C), bool),
             topk=jnp.zeros((B, L, C, K), jnp.int32),
+            gates=jnp.zeros((B, L, C, K), jnp.float32) if record_gates else None,
         ),
     )
     zeros_BP = jnp.zeros((B, P))
@@ -205,14 +213,16 @@ def _generate(
         logp=jnp.concatenate([zeros_BP.astype(jnp.float32), d.logp], axis=1),
         lengths=jnp.sum(d.mask, axis=1).astype(jnp.int32),
         truncated=~d.done,
-        topk=jnp.concatenate([prompt_topk, d.topk], axis=2),
+        topk=jnp.concatenate([prompt_routing[0], d.topk], axis=2),
+        gates=jnp.concatenate([prompt_routing[1], d.gates], axis=2) if record_gates else None,
     )
     return out, d.cache
 
 
-def _prefill(model, prompt_BP, pos_BP, cache: model_lib.KVCache):
+def _prefill(model, prompt_BP, pos_BP, cache: model_lib.KVCache, record_gates: bool = False):
     """The prompts through the model into the cache: (the next token's float32 logits [B, V], the
-    prompts' router top-k [B, L, P, K], the cache). Only the last position's logits are computed, and
+    prompts' routing: (router top-k [B, L, P, K],) and with `record_gates` their gates too, the cache).
+    Only the last position's logits are computed, and
     the batch runs in `ModelConfig.batch_chunks` strided pieces one after another (piece i: rows i,
     i + n, ...; each spread over the batch's devices), written into the cache in place. The cache
     must be empty (every slot's position -1): the prompts attend within themselves, the layers run
@@ -220,7 +230,7 @@ def _prefill(model, prompt_BP, pos_BP, cache: model_lib.KVCache):
     n = model.cfg.batch_chunks
     if n == 1:
         x_BPD, aux = model.hidden(prompt_BP, pos_BP, cache=cache, empty_cache=True)
-        return model.logits(x_BPD[:, -1:])[:, 0], aux.topk, aux.cache
+        return model.logits(x_BPD[:, -1:])[:, 0], _routing(aux, record_gates), aux.cache
     B = prompt_BP.shape[0]
     view = lambda a: a.reshape(B // n, n, *a.shape[1:])  # piece i is view(a)[:, i]; no copy
     piece = lambda a_bn, i: jax.lax.dynamic_index_in_dim(a_bn, i, axis=1, keepdims=False)
@@ -234,7 +244,7 @@ def _prefill(model, prompt_BP, pos_BP, cache: model_lib.KVCache):
     empty = view(cache.positions)
 
     def body(i, carry):
-        k, v, logits, topk = carry
+        k, v, logits, routing = carry
         part = model_lib.KVCache(
             k=tuple(piece(x, i) for x in k),
             v=tuple(piece(x, i) for x in v),
@@ -247,7 +257,7 @@ def _prefill(model, prompt_BP, pos_BP, cache: model_lib.KVCache):
             tuple(put(x, y, i) for x, y in zip(k, c.k)),
             tuple(put(x, y, i) for x, y in zip(v, c.v)),
             put(logits, model.logits(x_bPD[:, -1:])[:, 0], i),
-            put(topk, aux.topk, i),
+            tuple(put(x, y, i) for x, y in zip(routing, _routing(aux, record_gates))),
         )
 
     L, K = model.cfg.num_moe_layers, max(model.cfg.top_k, 1)
@@ -255,13 +265,23 @@ def _prefill(model, prompt_BP, pos_BP, cache: model_lib.KVCache):
         tuple(map(view, cache.k)),
         tuple(map(view, cache.v)),
         jnp.zeros((B // n, n, model.cfg.vocab_size), jnp.float32),
-        jnp.zeros((B // n, n, L, prompt_BP.shape[1], K), jnp.int32),
+        tuple(jnp.zeros((B // n, n, L, prompt_BP.shape[1], K), t) for t in _routing_dtypes(record_gates)),
     )
-    k, v, logits, topk = jax.lax.fori_loop(0, n, body, carry)
+    k, v, logits, routing = jax.lax.fori_loop(0, n, body, carry)
     unview = lambda a: a.reshape(B, *a.shape[2:])
     P = prompt_BP.shape[1]
     k, v = tuple(map(unview, k)), tuple(map(unview, v))
-    return unview(logits), unview(topk), model_lib.KVCache(k=k, v=v, positions=positions, index=cache.index + P)
+    routing = tuple(map(unview, routing))
+    return unview(logits), routing, model_lib.KVCache(k=k, v=v, positions=positions, index=cache.index + P)
+
+
+def _routing(aux: model_lib.ModelAux, record_gates: bool) -> tuple:
+    """What the sampler records of a forward's routing: (top-k,), or (top-k, gates) with `record_gates`."""
+    return (aux.topk, aux.gates) if record_gates else (aux.topk,)
+
+
+def _routing_dtypes(record_gates: bool) -> tuple:
+    return (jnp.int32, jnp.float32) if record_gates else (jnp.int32,)
 
 
 class Sampler:
@@ -291,6 +311,7 @@ class Sampler:
         threads: int = 1,
         compiler_options: dict | None = None,
         decode_chunk: int | None = None,
+        record_gates: bool = False,
     ):
         for name, v in (
             ("batch_size", batch_size),
@@ -318,10 +339,11 @@ class Sampler:
         check_int("Sampler", "decode_chunk", chunk, low=1)
         check(max_new_tokens % chunk == 0, "Sampler", "decode_chunk", chunk, f"a divisor of {max_new_tokens=}")
         self.decode_chunk = chunk
-        self._static = (graphdef, max_new_tokens, self.max_top_k, chunk)
+        self.record_gates = bool(record_gates)  # the routing's combine weights too (weight replay, R3W)
+        self._static = (graphdef, max_new_tokens, self.max_top_k, chunk, self.record_gates)
         if mesh is None:
             self._fn = jax.jit(
-                _generate, static_argnums=(0, 1, 2, 3), donate_argnums=(5,), compiler_options=compiler_options
+                _generate, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6,), compiler_options=compiler_options
             )
             self._cache_sharding = self._in_shardings = self._out_shardings = None
         else:
@@ -331,14 +353,15 @@ class Sampler:
             self._cache_sharding = sharding_lib.cache_shardings(mesh, jax.eval_shape(self._new_cache))
             b4 = sharding_lib.batch_sharding(mesh, 4)
             out_sh = SampleOutput(
-                tokens=b2, prompt_mask=b2, completion_mask=b2, logp=b2, lengths=b1, truncated=b1, topk=b4
-            )
+                tokens=b2, prompt_mask=b2, completion_mask=b2, logp=b2, lengths=b1, truncated=b1, topk=b4,
+                gates=b4 if self.record_gates else None,
+            )  # fmt: skip
             self._in_shardings = (state_sh, self._cache_sharding, b2, b2, rep, rep, rep, rep, rep, rep)
             self._out_shardings = out_sh
             self._fn = jax.jit(
                 sharding_lib.under_mesh(_generate, mesh),
-                static_argnums=(0, 1, 2, 3),
-                donate_argnums=(5,),
+                static_argnums=(0, 1, 2, 3, 4),
+                donate_argnums=(6,),
                 in_shardings=self._in_shardings,
                 out_shardings=(out_sh, self._cache_sharding),
                 compiler_options=compiler_options,

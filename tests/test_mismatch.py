@@ -9,7 +9,14 @@ import numpy as np
 import pytest
 
 from gspo_jax.losses import LossConfig, policy_loss
-from gspo_jax.mismatch import correction, mismatch_metrics
+from gspo_jax.mismatch import (
+    correction,
+    corrections,
+    geometric_mask,
+    icepop_mask,
+    mismatch_metrics,
+    off_policy_mask,
+)
 
 JIT = pytest.mark.parametrize("jit", [False, True], ids=["eager", "jit"])
 
@@ -161,3 +168,125 @@ def test_bad_correction_settings_are_refused_naming_the_field():
     with pytest.raises(ValueError, match="is_weight"):
         gspo = LossConfig(ratio="sequence", aggregation="sequence")
         policy_loss(gspo, np.zeros((2, 3)), np.zeros((2, 3)), np.ones(2), np.ones((2, 3)), is_weight=np.ones((2, 3)))
+
+
+# ------------------------------------------------------------------ masks: IcePop, geometric, off-policy
+
+
+def _frac(m, name):
+    return float(m[name].compute())
+
+
+@JIT
+def test_icepop_masks_tokens_outside_its_band(jit):
+    """w = 0.45 and 5.5 leave [0.5, 5]; 0.55 and 4.9 stay; off the mask nothing counts."""
+    old = np.log(np.array([[0.45, 0.55, 4.9, 5.5, 100.0]], np.float32))
+    mask = np.array([[1, 1, 1, 1, 0]], bool)
+    fn = functools.partial(icepop_mask, 0.5, 5.0)
+    keep, m = (jax.jit(fn) if jit else fn)(jnp.asarray(old), jnp.zeros((1, 5)), jnp.asarray(mask))
+    assert np.asarray(keep).tolist() == [[False, True, True, False, True]]
+    assert _frac(m, "icepop_masked_frac") == pytest.approx(0.5)
+
+
+@JIT
+def test_geometric_mask_drops_completions_whose_mean_ratio_leaves_the_band(jit):
+    """δ = 0.01: √1.03 = 1.0149 leaves [0.99, 1.01]; √(1.01·0.995) = 1.0025 stays; an empty row is not
+    counted; the value past the mask is ignored."""
+    old = np.log(np.array([[1.03, 1.0, 9.0], [1.01, 0.995, 9.0], [9.0, 9.0, 9.0]], np.float32))
+    mask = np.array([[1, 1, 0], [1, 1, 0], [0, 0, 0]], bool)
+    fn = functools.partial(geometric_mask, 0.01)
+    keep, m = (jax.jit(fn) if jit else fn)(jnp.asarray(old), jnp.zeros((3, 3)), jnp.asarray(mask))
+    assert np.asarray(keep).tolist() == [False, True, True]
+    assert _frac(m, "geo_masked_frac") == pytest.approx(0.5)
+
+
+@JIT
+def test_off_policy_mask_drops_negative_advantage_completions_far_from_the_sampler(jit):
+    """Mean of log π_sampler − log π_θ: 0.4, 0.7, 0.7; δ = 0.5 drops only the one with A < 0 past δ."""
+    logp = np.zeros((3, 3), np.float32)
+    sampler = np.array([[0.6, 0.2, 50.0], [1.0, 0.4, 50.0], [0.9, 0.5, 50.0]], np.float32)
+    mask = np.array([[1, 1, 0]] * 3, bool)
+    fn = functools.partial(off_policy_mask, 0.5)
+    fn = jax.jit(fn) if jit else fn
+    keep, m = fn(jnp.asarray(logp), jnp.asarray(sampler), jnp.array([-1.0, -1.0, 1.0]), jnp.asarray(mask))
+    assert np.asarray(keep).tolist() == [True, False, True]
+    assert _frac(m, "opsm_masked_frac") == pytest.approx(1 / 3)
+    assert _frac(m, "opsm_kl_mean") == pytest.approx(0.6, rel=1e-6)
+    adv_BT = np.array([[-1, -1, -1], [-1, 2, -1], [-1, -1, -1]], np.float32)  # per token: each by its own A
+    keep, m = fn(jnp.asarray(logp), jnp.asarray(sampler), jnp.asarray(adv_BT), jnp.asarray(mask))
+    assert np.asarray(keep).tolist() == [[True] * 3, [False, True, True], [False, False, True]]
+    assert _frac(m, "opsm_masked_frac") == pytest.approx(3 / 6)
+    g = jax.grad(lambda x: jnp.sum(off_policy_mask(0.5, x, sampler, adv_BT, mask)[1]["opsm_kl_mean"].total))(logp)
+    assert not np.any(np.asarray(g))  # no gradient through the mask or its statistic
+
+
+def test_masks_are_the_identity_when_nothing_is_off_policy():
+    rng = np.random.default_rng(3)
+    logp = -rng.random((4, 6)).astype(np.float32)
+    mask = rng.random((4, 6)) < 0.7
+    cfg = LossConfig(icepop=True, geo_mask_delta=0.01, off_policy_mask_delta=0.0)
+    c = corrections(cfg, jnp.asarray(logp), jnp.asarray(logp), jnp.asarray(mask))
+    assert np.asarray(c.keep).all() and c.weight is None
+    keep, m = off_policy_mask(0.0, logp, logp, -np.ones(4, np.float32), mask)
+    assert np.asarray(keep).all() and _frac(m, "opsm_masked_frac") == 0.0
+    assert {k: float(v.compute()) for k, v in c.metrics.items()} == {"icepop_masked_frac": 0.0, "geo_masked_frac": 0.0}
+
+
+def test_a_mask_zeroes_its_loss_inside_an_unchanged_denominator():
+    """GRPO's seq_mean_token_mean over 2 completions: one token of the first and the whole second are
+    masked; loss = (L_00 / 2 + 0) / 2 (n_0 and the sequence count unchanged); the KL term keeps its mask."""
+    logp = np.log(np.array([[1.1, 0.9], [1.2, 1.0]], np.float32))
+    old, mask, adv = np.zeros((2, 2), np.float32), np.ones((2, 2), bool), np.array([1.0, -1.0], np.float32)
+    cfg = LossConfig()
+    keep = np.array([[True, False], [False, False]])
+    loss, m = policy_loss(cfg, logp, old, adv, mask, keep=keep)
+    assert float(loss) == pytest.approx(-1.1 / 2 / 2, rel=1e-6)
+    g = jax.grad(lambda x: policy_loss(cfg, x, old, adv, mask, keep=keep)[0])(jnp.asarray(logp))
+    np.testing.assert_allclose(g, [[-1.1 / 4, 0.0], [0.0, 0.0]], rtol=1e-6)
+    grpo = LossConfig(kl_coef=0.5)
+    ref = np.full((2, 2), -0.3, np.float32)
+    masked = policy_loss(grpo, logp, old, adv, mask, ref, keep=np.zeros(2, bool))[1]
+    assert float(masked["policy_loss"].total) == 0.0
+    assert float(masked["kl_loss"].total) == pytest.approx(
+        float(policy_loss(grpo, logp, old, adv, mask, ref)[1]["kl_loss"].total)
+    )
+    gspo = LossConfig(ratio="sequence", aggregation="sequence")  # one loss per sequence: [B] masks only
+    seq = policy_loss(gspo, logp, old, adv, mask, keep=np.array([False, True]))[0]
+    assert float(seq) == pytest.approx(float(policy_loss(gspo, logp[1:], old[1:], adv[1:], mask[1:])[0]) / 2, rel=1e-6)
+    with pytest.raises(ValueError, match="keep"):
+        policy_loss(gspo, logp, old, adv, mask, keep=keep)
+
+
+def test_icepop_with_tis_is_the_papers_weight():
+    """IcePop's M(k) = k on [a, b], 0 outside: `icepop` with token TIS capped at b ≥ every kept w."""
+    sampler = np.zeros((1, 4), np.float32)
+    old = np.log(np.array([[0.4, 0.8, 3.0, 6.0]], np.float32))
+    mask = np.ones((1, 4), bool)
+    logp = jnp.asarray(old + 0.05)
+    cfg = LossConfig(aggregation="token_mean", icepop=True, is_correction="tis", is_cap=5.0)
+    c = corrections(cfg, jnp.asarray(old), jnp.asarray(sampler), jnp.asarray(mask))
+    fn = lambda x: policy_loss(cfg, x, old, np.ones(1), c.mask_BT, is_weight=c.weight, keep=c.keep)[0]
+    g = jax.grad(fn)(logp)
+    r = math.exp(0.05)  # every ratio, unclipped (A > 0, 1.05 < 1.2)
+    np.testing.assert_allclose(g, [[0.0, -0.8 * r / 4, -3.0 * r / 4, 0.0]], rtol=1e-5)
+    assert float(c.metrics["icepop_masked_frac"].compute()) == pytest.approx(0.5)
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        (dict(icepop_low=0.0), "icepop_low"),
+        (dict(icepop_low=2.0, icepop_high=2.0), "icepop_high"),
+        (dict(geo_mask_delta=0.0), "geo_mask_delta"),
+        (dict(geo_mask_delta=1.0), "geo_mask_delta"),
+        (dict(off_policy_mask_delta=-0.1), "off_policy_mask_delta"),
+        (dict(router_shift_floor=0.0), "router_shift_floor"),
+        (dict(router_shift_floor=1.5), "router_shift_floor"),
+        (dict(router_shift="yes"), "router_shift"),
+        (dict(ratio="sequence", aggregation="sequence", icepop=True), "icepop"),
+    ],
+)
+def test_bad_mask_and_router_shift_settings_are_refused_in_one_line(kwargs, field):
+    with pytest.raises(ValueError, match=rf"^LossConfig\.{field}=.* is not allowed; ") as e:
+        LossConfig(**kwargs)
+    assert "\n" not in str(e.value)

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 
 from gspo_jax import checkpoint, sharding, train, workdir
+from gspo_jax import iteration as iteration_lib
 from gspo_jax import programs as programs_lib
 from gspo_jax import run as run_lib
 from gspo_jax.checkpoint import Checkpointer
@@ -442,7 +443,7 @@ def test_an_update_that_would_make_parameters_non_finite_is_skipped():
 
 
 def _signal_after(monkeypatch, iteration, *signums):
-    original = train.rl_iteration
+    original = iteration_lib.rl_iteration
 
     def iteration_then_signal(programs, rollout, config, state, prompts, it, *args):
         out = original(programs, rollout, config, state, prompts, it, *args)
@@ -451,7 +452,7 @@ def _signal_after(monkeypatch, iteration, *signums):
                 os.kill(os.getpid(), signum)
         return out
 
-    monkeypatch.setattr(train, "rl_iteration", iteration_then_signal)
+    monkeypatch.setattr(iteration_lib, "rl_iteration", iteration_then_signal)
 
 
 @pytest.mark.slow
@@ -478,7 +479,7 @@ def test_sigint_stops_like_sigterm_and_a_second_one_stops_at_once(tmp_path, monk
 def test_after_a_crash_metrics_hold_one_row_per_step(tmp_path, monkeypatch):
     c = base_config("gspo", "tiny")
     c.train.update(num_iterations=4, checkpoint_every=2)
-    original = train.rl_iteration
+    original = iteration_lib.rl_iteration
 
     def crash_in_iteration_3(programs, rollout, config, state, prompts, it, *args):
         if it == 3:
@@ -486,7 +487,7 @@ def test_after_a_crash_metrics_hold_one_row_per_step(tmp_path, monkeypatch):
         return original(programs, rollout, config, state, prompts, it, *args)
 
     with monkeypatch.context() as m, pytest.raises(RuntimeError, match="died"):
-        m.setattr(train, "rl_iteration", crash_in_iteration_3)
+        m.setattr(iteration_lib, "rl_iteration", crash_in_iteration_3)
         run_lib.train_and_evaluate(c, tmp_path, progress=False)
     assert rows(tmp_path) == [0, 1, 2, 3]  # step 3 is past the last checkpoint (2)
     assert Checkpointer(tmp_path / "checkpoints").all_steps() == [2]

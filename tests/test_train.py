@@ -18,6 +18,7 @@ import pytest
 from gspo_jax import checkpoint, losses, routing, train
 from gspo_jax import config as config_lib
 from gspo_jax import evaluate as evaluate_lib
+from gspo_jax import iteration as iteration_lib
 from gspo_jax import model as model_lib
 from gspo_jax import optimizer as optimizer_lib
 from gspo_jax import programs as programs_lib
@@ -454,8 +455,8 @@ def _prompts(s: Setup):
 
 
 def _sigterm_after(monkeypatch, iteration):
-    """Makes `train.rl_iteration` "preempt" the run (SIGTERM) once `iteration` (0-based) finishes."""
-    original = train.rl_iteration
+    """Makes `iteration_lib.rl_iteration` "preempt" the run (SIGTERM) once `iteration` (0-based) finishes."""
+    original = iteration_lib.rl_iteration
 
     def iteration_then_sigterm(programs, rollout, config, state, prompts, it, *args):
         out = original(programs, rollout, config, state, prompts, it, *args)
@@ -463,7 +464,7 @@ def _sigterm_after(monkeypatch, iteration):
             os.kill(os.getpid(), signal.SIGTERM)
         return out
 
-    monkeypatch.setattr(train, "rl_iteration", iteration_then_sigterm)
+    monkeypatch.setattr(iteration_lib, "rl_iteration", iteration_then_sigterm)
 
 
 @pytest.mark.slow
@@ -652,7 +653,7 @@ def test_training_starts_from_a_hugging_face_checkpoint(tmp_path):
     B = s.built.rollout.num_groups * s.built.rollout.group_size
     sampler = Sampler(s.graphdef, s.built.model, B, c.prompt_len, c.max_new_tokens, mesh=s.mesh, state=s.params)
     rollout = Rollout(sampler, s.built.task, load_tokenizer(), s.built.rollout)
-    new, metrics = train.rl_iteration(s.programs, rollout, s.built.train, s.state(), _prompts(s), 0)
+    new, metrics = iteration_lib.rl_iteration(s.programs, rollout, s.built.train, s.state(), _prompts(s), 0)
     assert np.isfinite(metrics["loss"]) and int(new.step) == c.train.minibatches
     bad = tiny("gspo")
     bad.hf_checkpoint = str(tmp_path / "missing")

@@ -1,0 +1,152 @@
+"""One RL iteration (`rl_iteration`): rollout with π_old → old log-probs (the sampler's, or the trainer's
+recomputation under the routing the update uses; the mismatch is logged) → ref log-probs when
+kl_coef > 0 → with a critic (PPO), its values and GAE advantages in place of the group ones → `epochs`
+× `minibatches` shuffled minibatches of `train.train_step` → routing drift of the updated policy
+against π_old. It builds on the trainer (`train.py`) and its programs (`programs.py`); `run.py` loops it."""
+
+from __future__ import annotations
+
+import functools
+import logging
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from gspo_jax import config as config_lib
+from gspo_jax import metrics as metrics_lib
+from gspo_jax import mismatch, routing, staleness
+from gspo_jax import model as model_lib
+from gspo_jax import optimizer as optimizer_lib
+from gspo_jax import sharding as sharding_lib
+from gspo_jax.config import TrainConfig
+from gspo_jax.programs import Programs
+from gspo_jax.rollout import Rollout
+from gspo_jax.train import TrainBatch, TrainState
+
+log = logging.getLogger(__name__)
+
+
+def rl_iteration(
+    programs: Programs,
+    rollout: Rollout,
+    t: TrainConfig,
+    state: TrainState,
+    prompts,
+    iteration: int,
+    ref_params=None,
+    lag: staleness.PolicyLag | None = None,
+) -> tuple[TrainState, dict[str, float]]:
+    """One RL iteration (see the module docstring); returns the new state and the iteration's metrics.
+    With a `lag` (`rollout.staleness` = k > 0) its oldest policy samples the batch and is π_old, its
+    routing drift to today's policy is logged (`stale_*`), and today's joins it before the update."""
+    key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), iteration)
+    t0 = time.perf_counter()
+    behaviour = state.params if lag is None else lag.behaviour(state.params)
+    batch, metrics = rollout(behaviour, prompts, jax.random.fold_in(key, 0))
+    t_rollout = time.perf_counter() - t0
+    full = prepare_batch(programs, behaviour, batch, t, ref_params, metrics)
+    del behaviour  # the lag's oldest copy is freed once its work is done: k copies at most
+    if programs.estimate is not None:  # PPO: the critic's values and GAE replace the group advantages
+        rewards = jax.device_put(batch.rewards, sharding_lib.batch_sharding(programs.batch_shardings.tokens.mesh, 1))
+        full, estimated = programs.estimate(state.critic.params, full, rewards)  # host rewards, the same everywhere
+        metrics.update({k: float(v) for k, v in jax.device_get(estimated).items()})
+    t_logprobs = time.perf_counter() - t0 - t_rollout  # synchronised: metrics are on the host
+
+    B, num_mb = batch.tokens.shape[0], t.minibatches
+    drift_rows = np.arange(0, B, t.drift_subsample)
+    t_stale = time.perf_counter()
+    if lag is not None and lag.k:
+        metrics.update(staleness=float(lag.k), policy_lag=float(staleness.policy_lag(lag.k, iteration)))
+        if t.drift_metrics:  # today's policy against the behaviour policy's routing, before the update
+            sub = full if t.drift_subsample == 1 else programs.take(full, drift_rows)
+            metrics.update(staleness.drift_to_log(programs.drift(state.params, sub)))
+        lag.advance(state.params)
+    t_stale = time.perf_counter() - t_stale
+    router_before = [jnp.copy(x) for x in optimizer_lib.router_leaves(state.params)]  # the update donates them
+    mb_size = B // num_mb
+    step_metrics = []  # left on the device until every update is dispatched: no host sync in the loop
+    for epoch in range(t.epochs):
+        perm = np.asarray(jax.random.permutation(jax.random.fold_in(key, 1 + epoch), B))
+        for m in range(num_mb):
+            idx = perm[m * mb_size : (m + 1) * mb_size]
+            state, step, scored = programs.train_step(state, programs.take(full, idx))
+            step_metrics.append(step)
+            if scored is not None:  # the only update: its forward scored π_old, in the minibatch's order
+                scored = programs.take_scored(scored, np.argsort(idx))
+                full = full.replace(old_logp=scored.logp, topk=scored.topk)
+    if programs.on_policy and t.routing_replay not in config_lib.SAMPLER_ROUTING:  # π_old's forward, routed live
+        metrics.update(mismatch.sampler_mismatch(batch, full.old_logp, full.topk))
+    host = [jax.tree.map(float, s) for s in jax.device_get(step_metrics)]  # float64 from here
+    metrics.update(metrics_lib.compute(functools.reduce(metrics_lib.merge, host)))
+    t_updates = time.perf_counter() - t0 - t_rollout - t_logprobs - t_stale  # synchronised: metrics on the host
+    if router_before:  # 0 exactly with `train.freeze_router`
+        router_after = optimizer_lib.router_leaves(state.params)
+        metrics["router_update_norm"] = float(optimizer_lib.distance(router_before, router_after))
+    if metrics["skipped"]:
+        what = "iteration %d: %d of %d updates skipped (non-finite loss, gradient or update)"
+        log.warning(what, iteration, metrics["skipped"], t.epochs * num_mb)
+    t_drift = time.perf_counter()
+    if t.drift_metrics:
+        sub = full if t.drift_subsample == 1 else programs.take(full, drift_rows)
+        drift = programs.drift(state.params, sub)
+        metrics.update(routing.drift_to_log(drift))
+        if (loads := routing.expert_loads(drift)) is not None:
+            metrics["expert_loads"] = loads  # not a scalar: the run writes it to routing.jsonl
+    metrics.update(
+        rollout_seconds=t_rollout,
+        logprob_seconds=t_logprobs,
+        update_seconds=t_updates,
+        drift_seconds=time.perf_counter() - t_drift + t_stale,
+        iteration_seconds=time.perf_counter() - t0,
+    )
+    return state, metrics
+
+
+def prepare_batch(programs: Programs, params, batch, t: TrainConfig, ref_params, metrics) -> TrainBatch:
+    """The rollout on the mesh: π_old's routing from the sampler (R3) or the trainer (R2, none), π_old's
+    log-probs from `t.old_logp_source` (the trainer's scored under that same routing, so the update's
+    ratio is exactly 1 at θ_old), π_ref's log-probs when there is a reference. Logs the sampler–trainer
+    mismatch against the trainer's live routing (`mismatch.sampler_mismatch`) into `metrics`. With
+    `programs.on_policy` the trainer's log-probs (and, but under R3 / R3W, its routing) are left for the
+    update's own forward to fill in. For RSPO off that path, π_old's scoring forward also gives its router
+    log-probs at `topk` (`programs.score_router`)."""
+    b2 = programs.batch_shardings.tokens
+    tokens = jax.device_put(batch.tokens, b2)
+    positions = jax.device_put(_positions(batch.prompt_mask, batch.completion_mask), b2)
+    sampler_logp, r3 = batch.old_logp, t.routing_replay in config_lib.SAMPLER_ROUTING
+    gates = batch.gates if t.routing_replay == "R3W" else None
+    logp_live = old_router = None
+    rspo = programs.score_router is not None  # π_old's router log-probs at `topk`, from π_old's forward
+    if not programs.on_policy or r3:  # the mismatch is against the live routing: R3 needs a forward for it
+        if rspo and not r3:  # none / R2: the live forward is π_old's, its router log-probs come with it
+            logp_live, topk_live, old_router = programs.score_router(params, tokens, positions, None)
+        else:
+            logp_live, topk_live = programs.score(params, tokens, positions)
+        metrics.update(mismatch.sampler_mismatch(batch, logp_live, topk_live))
+    if programs.on_policy:
+        old_logp, topk = sampler_logp, batch.topk  # placeholders, replaced by the update (R3: its routing)
+    else:
+        topk = batch.topk if r3 else topk_live  # R2 and none: the trainer's
+        old_logp = sampler_logp
+        forced = (topk, gates) if gates is not None else topk
+        if r3 and rspo:  # π_old under the replayed routing, with its router log-probs
+            logp_replayed, _, old_router = programs.score_router(params, tokens, positions, forced)
+        elif r3 and t.old_logp_source == "trainer":
+            logp_replayed = programs.score_replayed(params, tokens, positions, forced)[0]
+        if t.old_logp_source == "trainer":  # π_old under the routing the update replays
+            old_logp = logp_replayed if r3 else logp_live
+    ref_logp = jnp.zeros_like(old_logp) if ref_params is None else programs.score(ref_params, tokens, positions)[0]
+    given = dict(tokens=tokens, positions=positions, completion_mask=batch.completion_mask, loss_mask=batch.loss_mask)
+    given.update(old_logp=old_logp, sampler_logp=sampler_logp, ref_logp=ref_logp, topk=topk, gates=gates)
+    given.update(old_router_logp=old_router)
+    critic = programs.estimate is not None  # its fields are placeholders for the critic's estimate
+    if not critic:
+        given["advantages"] = batch.advantages  # host, the same on every process
+    return jax.device_put(TrainBatch.filled(critic, **given), programs.batch_shardings)
+
+
+@jax.jit
+def _positions(prompt_mask_BT, completion_mask_BT):
+    return model_lib.positions_from_mask(prompt_mask_BT | completion_mask_BT)
