@@ -25,6 +25,22 @@ TAIL_LINES = 20
 # Thread pools that read these size themselves from them; unknown names are ignored, so they are safe
 # whatever the installed libraries (unlike XLA flags, which abort a process whose XLA does not know them).
 THREAD_ENV = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+# Of one accelerator's memory, what N runs at once share: JAX's client settings (environment variables
+# JAX reads, not XLA flags) stop the first run from preallocating the device and cap each at its share.
+SHARED_DEVICE_MEMORY = 0.9
+
+
+def device_memory_env(parallel: int, environ: dict[str, str]) -> dict[str, str]:
+    """What each of `parallel` > 1 runs at once is given so that they fit one GPU together: no
+    preallocation, and at most SHARED_DEVICE_MEMORY / N of the device each. A setting already in
+    `environ` (the user's) is kept; CPUs ignore both; a TPU chip takes one process, so there shard
+    a sweep over slices (`--shard`) instead."""
+    if parallel <= 1:
+        return {}
+    share = dict(
+        XLA_PYTHON_CLIENT_PREALLOCATE="false", XLA_PYTHON_CLIENT_MEM_FRACTION=f"{SHARED_DEVICE_MEMORY / parallel:.3f}"
+    )
+    return {k: v for k, v in share.items() if k not in environ}
 
 
 class SweepLock(Lock):
@@ -169,6 +185,7 @@ class Runner:
         env = dict(os.environ)
         if cpus is not None and self.parallel > 1:
             env.update({k: str(len(cpus)) for k in THREAD_ENV})
+        env.update(device_memory_env(self.parallel, env))
         command = [self.python, *run.train_args(run_dir)]
         with open(run_dir / sweeps.LOG_FILE, "ab") as log:
             offset = log.tell()

@@ -14,7 +14,10 @@ them at once. One sweep process per workroot (per shard): a second is refused.
 --parallel N: each child is pinned to its own share of this process's CPUs (sweep_runner.cpu_slots); more
 runs than CPUs share them. On 2 CPU cores (shared with other work, load ~4.5, one try each) the tiny sweep
 took 50 s at --parallel 1 and 39 s at --parallel 2 (each run's start-up is mostly single-threaded): use
-one run per core. Larger N, and larger configs, are unmeasured.
+one run per core. Larger N, and larger configs, are unmeasured. On one GPU the N runs share it: each is
+started with JAX's client memory settings, no preallocation and 0.9/N of the device at most
+(sweep_runner.device_memory_env; a value already in the environment is kept). A TPU chip takes one
+process: spread a sweep over slices with --shard instead.
 
 Exit codes: 0 every run done; 1 some failed (the others ran on); 2 refused (bad sweep file or arguments,
 or the workroot in use by another sweep); 75 stopped by a signal, or a run stopped by someone else's:

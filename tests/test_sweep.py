@@ -3,6 +3,7 @@ failures recorded without stopping the others, and the tiny sweep killed mid-way
 every run exactly once, then reported."""
 
 import importlib.util
+import io
 import json
 import os
 import signal
@@ -14,8 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from gspo_jax import sweep_report, sweeps, workdir
-from gspo_jax.sweep_runner import Runner, SweepLock, cpu_slots
+from gspo_jax import sweep_report, sweep_runner, sweeps, workdir
+from gspo_jax.sweep_runner import Runner, SweepLock, cpu_slots, device_memory_env
 from gspo_jax.workdir import Lock, WorkdirBusy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -184,6 +185,35 @@ def test_cpu_slots_split_the_cpus_into_disjoint_blocks(monkeypatch):
     assert cpu_slots(2) == [[0, 1], [2, 3]]
     assert cpu_slots(3) == [[0], [1], [2, 3]]
     assert cpu_slots(6) == [[0], [0], [1], [2], [2], [3]]  # more runs than CPUs: shared round-robin
+
+
+def test_each_child_gets_its_share_of_one_accelerator(tmp_path, monkeypatch):
+    """N runs at once: JAX's client memory settings give each 0.9/N of a GPU and no preallocation (one
+    run keeps JAX's defaults; a value the user set is kept), in the environment the child is started with."""
+    assert device_memory_env(1, {}) == {}
+    assert device_memory_env(2, {}) == {
+        "XLA_PYTHON_CLIENT_PREALLOCATE": "false",
+        "XLA_PYTHON_CLIENT_MEM_FRACTION": "0.450",
+    }
+    assert device_memory_env(3, {"XLA_PYTHON_CLIENT_MEM_FRACTION": "0.2"}) == {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}
+    seen = []
+
+    class Started:
+        pid = -1
+
+        def __init__(self, command, env, **_):
+            seen.append(env)
+
+    monkeypatch.setattr(sweep_runner.subprocess, "Popen", Started)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_PREALLOCATE", raising=False)
+    run = sweeps.Run(0, "r", "r", "configs/gspo.py:tiny", {"seed": 0})
+    for parallel in (1, 4):
+        runner = Runner([run], tmp_path, ROOT, parallel=parallel, out=io.StringIO())
+        runner.slots = None  # no affinity for a process that is not there
+        runner._start(run, 0)
+    assert "XLA_PYTHON_CLIENT_MEM_FRACTION" not in seen[0] and "XLA_PYTHON_CLIENT_PREALLOCATE" not in seen[0]
+    assert (seen[1]["XLA_PYTHON_CLIENT_MEM_FRACTION"], seen[1]["XLA_PYTHON_CLIENT_PREALLOCATE"]) == ("0.225", "false")
 
 
 def test_run_state_is_recorded_per_attempt(tmp_path):
