@@ -46,10 +46,11 @@ def rl_iteration(
     behaviour = state.params if lag is None else lag.behaviour(state.params)
     batch, metrics = rollout(behaviour, prompts, jax.random.fold_in(key, 0))
     t_rollout = time.perf_counter() - t0
-    full = prepare_batch(programs, behaviour, batch, t, ref_params, metrics)
+    full, mismatch_metrics = prepare_batch(programs, behaviour, batch, t, ref_params)
+    metrics.update(mismatch_metrics)
     del behaviour  # the lag's oldest copy is freed once its work is done: k copies at most
     if programs.estimate is not None:  # PPO: the critic's values and GAE replace the group advantages
-        rewards = jax.device_put(batch.rewards, sharding_lib.batch_sharding(programs.batch_shardings.tokens.mesh, 1))
+        rewards = jax.device_put(batch.rewards, sharding_lib.batch_sharding(programs.mesh, 1))
         full, estimated = programs.estimate(state.critic.params, full, rewards)  # host rewards, the same everywhere
         metrics.update({k: float(v) for k, v in jax.device_get(estimated).items()})
     t_logprobs = time.perf_counter() - t0 - t_rollout  # synchronised: metrics are on the host
@@ -104,11 +105,12 @@ def rl_iteration(
     return state, metrics
 
 
-def prepare_batch(programs: Programs, params, batch, t: TrainConfig, ref_params, metrics) -> TrainBatch:
+def prepare_batch(programs: Programs, params, batch, t: TrainConfig, ref_params) -> tuple[TrainBatch, dict[str, float]]:
     """The rollout on the mesh: π_old's routing from the sampler (R3) or the trainer (R2, none), π_old's
     log-probs from `t.old_logp_source` (the trainer's scored under that same routing, so the update's
-    ratio is exactly 1 at θ_old), π_ref's log-probs when there is a reference. Logs the sampler–trainer
-    mismatch against the trainer's live routing (`mismatch.sampler_mismatch`) into `metrics`. With
+    ratio is exactly 1 at θ_old), π_ref's log-probs when there is a reference; and the sampler–trainer
+    mismatch against the trainer's live routing (`mismatch.sampler_mismatch`), empty when the update's
+    own forward will measure it (`rl_iteration`). With
     `programs.on_policy` the trainer's log-probs (and, but under R3 / R3W, its routing) are left for the
     update's own forward to fill in. For RSPO off that path, π_old's scoring forward also gives its router
     log-probs at `topk` (`programs.score_router`)."""
@@ -118,13 +120,14 @@ def prepare_batch(programs: Programs, params, batch, t: TrainConfig, ref_params,
     sampler_logp, r3 = batch.old_logp, t.routing_replay in config_lib.SAMPLER_ROUTING
     gates = batch.gates if t.routing_replay == "R3W" else None
     logp_live = old_router = None
+    measured: dict[str, float] = {}
     rspo = programs.score_router is not None  # π_old's router log-probs at `topk`, from π_old's forward
     if not programs.on_policy or r3:  # the mismatch is against the live routing: R3 needs a forward for it
         if rspo and not r3:  # none / R2: the live forward is π_old's, its router log-probs come with it
             logp_live, topk_live, old_router = programs.score_router(params, tokens, positions, None)
         else:
             logp_live, topk_live = programs.score(params, tokens, positions)
-        metrics.update(mismatch.sampler_mismatch(batch, logp_live, topk_live))
+        measured = mismatch.sampler_mismatch(batch, logp_live, topk_live)
     if programs.on_policy:
         old_logp, topk = sampler_logp, batch.topk  # placeholders, replaced by the update (R3: its routing)
     else:
@@ -144,7 +147,7 @@ def prepare_batch(programs: Programs, params, batch, t: TrainConfig, ref_params,
     critic = programs.estimate is not None  # its fields are placeholders for the critic's estimate
     if not critic:
         given["advantages"] = batch.advantages  # host, the same on every process
-    return jax.device_put(TrainBatch.filled(critic, **given), programs.batch_shardings)
+    return jax.device_put(TrainBatch.filled(critic, **given), programs.batch_shardings), measured
 
 
 @jax.jit

@@ -47,6 +47,7 @@ class Programs(NamedTuple):
     optimizer: optax.GradientTransformation
     state_shardings: TrainState
     batch_shardings: TrainBatch
+    mesh: jax.sharding.Mesh  # the one every program's shardings are on
     # (params, tokens, positions, None or as score_replayed's) -> (logp, topk, router log-probs at topk
     # [B, L, T, K]): π_old's scoring with its router, for RSPO (`train.carries_old_router`); else None
     score_router: Program | None = None
@@ -169,6 +170,7 @@ def compile_programs(built: config_lib.Built, graphdef, params, mesh: jax.shardi
         optimizer=tx,
         state_shardings=state_sh,
         batch_shardings=batch_sh,
+        mesh=mesh,
         score_router=score_router,
     )
 
