@@ -160,6 +160,14 @@ def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigD
     c.tokenizer_path = ""  # a local tokenizer directory (e.g. a real model's); "" = the built-in one
     c.hf_checkpoint = ""  # a local Hugging Face checkpoint directory to start from; "" = random init
 
+    _resize(c, size)
+    _set_algorithm(c, alg)  # last: the loss reads the size's max_new_tokens
+    return c
+
+
+def _resize(c: ml_collections.ConfigDict, size: str) -> None:
+    """What `size` changes from the base laid out by `base_config` (the lengths, batch, schedule and,
+    for the TPU shape, the task, model memory settings and mesh)."""
     if size == "default":
         # Drift (two forwards of the batch) on every 4th sequence keeps the instruments well under 15% of
         # an iteration (docs/BENCHMARKS.md); training is unaffected.
@@ -188,7 +196,10 @@ def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigD
         c.warm_start.update(steps=0)
         c.mesh.update(data=1, fsdp=-1, expert=8, tensor=1)  # -1: whatever devices remain
 
-    # What makes the algorithm what it is, from its one home.
+
+def _set_algorithm(c: ml_collections.ConfigDict, alg: algorithms.Algorithm) -> None:
+    """`alg`'s loss, advantage scaling and rollout tricks, from its one home; a critic section where it
+    has a critic."""
     # A key whose default is None (dual_clip_c, geo_mask_delta, ...) is a float placeholder: settable from the CLI.
     loss = _dataclass_dict(alg.loss_config(c.max_new_tokens))
     c.loss = {k: ml_collections.config_dict.placeholder(float) if v is None else v for k, v in loss.items()}
@@ -205,7 +216,6 @@ def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigD
             )
         )
         c.critic.model.dense_layers = tuple(c.model.dense_layers)
-    return c
 
 
 @dataclasses.dataclass(frozen=True)
@@ -342,23 +352,7 @@ def _typed(name: str, cls, values: dict):
 def build(c: ml_collections.ConfigDict, device_count: int | None = None) -> Built:
     """Validates the whole config and returns its typed pieces; raises `ConfigError` naming the key.
     The mesh is checked against `device_count` devices (default: this process's, `jax.device_count()`)."""
-    m = dict(c.model)
-    m["dense_layers"] = tuple(m.get("dense_layers", ()))
-    model_cfg = _typed("model", model_lib.ModelConfig, m)
-    for key, what in (
-        ("hf_checkpoint", "a local Hugging Face checkpoint directory"),
-        ("tokenizer_path", "a local tokenizer.json or directory"),
-    ):
-        if c[key]:  # nothing is downloaded at run time: a path must exist
-            check(Path(c[key]).exists(), "config", key, c[key], f"{what} that exists (nothing is downloaded)")
-    if c.hf_checkpoint:
-        # The checkpoint fixes the architecture; config.model still picks what HF does not describe.
-        keep = ("dispatch", "param_dtype", "dtype", "lb_loss_coef", "z_loss_coef")
-        keep += ("scan_layers", "remat", "logprob_chunk", "batch_chunks")  # how the model runs
-        try:
-            model_cfg = hf.config_from_hf(c.hf_checkpoint, **{k: getattr(model_cfg, k) for k in keep})
-        except (OSError, ValueError) as e:
-            raise ConfigError(f"config.hf_checkpoint={c.hf_checkpoint!r}: {e}") from None
+    model_cfg = _model(c)
     loss_cfg = _typed("loss", losses.LossConfig, dict(c.loss))
     rollout_cfg = _typed("rollout", RolloutConfig, dict(c.rollout))
     task = _task(c.task)
@@ -408,6 +402,60 @@ def build(c: ml_collections.ConfigDict, device_count: int | None = None) -> Buil
         devices=jax.device_count() if device_count is None else device_count,
         num_experts={key: m.num_experts for key, m in experts if m.num_moe_layers},
     )
+    _check_lengths(c, task, model_cfg, loss_cfg)
+    micro = update_microbatches(
+        batch // t.minibatches, c.prompt_len + c.max_new_tokens, data, t.microbatches, t.microbatch_tokens
+    )
+    return Built(
+        algorithm=c.algorithm,
+        seed=c.seed,
+        model=model_cfg,
+        loss=loss_cfg,
+        rollout=rollout_cfg,
+        task=task,
+        sampler=sampler,
+        train=t,
+        optimizer=optimizer,
+        warm_start=w,
+        mesh=mesh,
+        critic=critic_cfg,
+        critic_optimizer=critic_opt,
+        microbatches=micro,
+        hf_checkpoint=c.hf_checkpoint,
+        tokenizer_path=c.tokenizer_path,
+        cpu_fast_compile=c.cpu_fast_compile,
+    )
+
+
+def _model(c: ml_collections.ConfigDict) -> model_lib.ModelConfig:
+    """`config.model` typed; with `hf_checkpoint`, the checkpoint's architecture and `config.model`'s
+    choice of what Hugging Face does not describe. The local paths (`hf_checkpoint`, `tokenizer_path`)
+    must exist: nothing is downloaded at run time."""
+    m = dict(c.model)
+    m["dense_layers"] = tuple(m.get("dense_layers", ()))
+    model_cfg = _typed("model", model_lib.ModelConfig, m)
+    for key, what in (
+        ("hf_checkpoint", "a local Hugging Face checkpoint directory"),
+        ("tokenizer_path", "a local tokenizer.json or directory"),
+    ):
+        if c[key]:  # nothing is downloaded at run time: a path must exist
+            check(Path(c[key]).exists(), "config", key, c[key], f"{what} that exists (nothing is downloaded)")
+    if c.hf_checkpoint:
+        # The checkpoint fixes the architecture; config.model still picks what HF does not describe.
+        keep = ("dispatch", "param_dtype", "dtype", "lb_loss_coef", "z_loss_coef")
+        keep += ("scan_layers", "remat", "logprob_chunk", "batch_chunks")  # how the model runs
+        try:
+            model_cfg = hf.config_from_hf(c.hf_checkpoint, **{k: getattr(model_cfg, k) for k in keep})
+        except (OSError, ValueError) as e:
+            raise ConfigError(f"config.hf_checkpoint={c.hf_checkpoint!r}: {e}") from None
+    return model_cfg
+
+
+def _check_lengths(
+    c: ml_collections.ConfigDict, task: Any, model_cfg: model_lib.ModelConfig, loss_cfg: losses.LossConfig
+) -> None:
+    """What the lengths must hold: the prompt bucket the task's longest prompt (tokenized as the run
+    will), the vocabulary the built-in tokenizer's, Dr.GRPO's constant the max completion length."""
     tokenizer = load_tokenizer(c.tokenizer_path or None)
     bos = 0 if tokenizer.bos_token_id is None else 1
     longest = bos + task.max_prompt_tokens(lambda text: tokenizer.encode(text, add_special_tokens=False))
@@ -433,28 +481,6 @@ def build(c: ml_collections.ConfigDict, device_count: int | None = None) -> Buil
             loss_cfg.sum_norm_len,
             f"Dr.GRPO normalises by the max completion length, max_new_tokens={c.max_new_tokens}",
         )
-    micro = update_microbatches(
-        batch // t.minibatches, c.prompt_len + c.max_new_tokens, data, t.microbatches, t.microbatch_tokens
-    )
-    return Built(
-        algorithm=c.algorithm,
-        seed=c.seed,
-        model=model_cfg,
-        loss=loss_cfg,
-        rollout=rollout_cfg,
-        task=task,
-        sampler=sampler,
-        train=t,
-        optimizer=optimizer,
-        warm_start=w,
-        mesh=mesh,
-        critic=critic_cfg,
-        critic_optimizer=critic_opt,
-        microbatches=micro,
-        hf_checkpoint=c.hf_checkpoint,
-        tokenizer_path=c.tokenizer_path,
-        cpu_fast_compile=c.cpu_fast_compile,
-    )
 
 
 def _with_optimizer(name: str, cls, section: dict, nested: bool = False):

@@ -11,7 +11,6 @@ position 0 gets 0. The critic has its own parameters and optimizer and trains in
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 import jax.numpy as jnp
@@ -225,12 +224,6 @@ def state_shardings(static: CriticStep, abstract_params: nnx.State, mesh) -> Cri
     return CriticState(
         step=rep, params=param_sh, opt_state=optimizer_lib.state_shardings(tx, abstract_params, param_sh, mesh)
     )
-
-
-def param_bytes(abstract_params: nnx.State) -> int:
-    """Bytes of the critic's parameters (its optimizer's moments take twice that under AdamW)."""
-    leaves = jax.tree.leaves(abstract_params)
-    return sum(math.prod(x.shape) * jnp.dtype(x.dtype).itemsize for x in leaves)
 
 
 def with_advantages(cfg: CriticConfig, graphdef: nnx.GraphDef, critic_params: nnx.State, batch, rewards_B: Array):

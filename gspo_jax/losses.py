@@ -46,6 +46,10 @@ RATIOS = ("token", "sequence", "sequence_token", "geometric", "sequence_sum", "s
 GATES = ("clip", "cispo", "sapo", "vespo")
 AGGREGATIONS = ("seq_mean_token_mean", "token_mean", "seq_mean_token_sum_norm", "sequence")
 KL_ESTIMATORS = ("k1", "k2", "k3")
+# The sampler–trainer correction (`gspo_jax.mismatch.correction`): none, truncated or masked importance
+# sampling, per token or per sequence.
+CORRECTIONS = ("none", "tis", "mis")
+IS_LEVELS = ("token", "sequence")
 
 SEQUENCE_LEVEL_RATIOS = ("sequence", "geometric", "sequence_sum")  # one ratio and one loss per sequence
 GATES_FOR_RATIO = {
@@ -121,8 +125,8 @@ class LossConfig:
             check_number(own, f"vespo_k_{sign}", getattr(self, f"vespo_k_{sign}"), low=0.0)
             check_number(own, f"vespo_lambda_{sign}", getattr(self, f"vespo_lambda_{sign}"), low=0.0, strict=True)
         check_number(own, "log_ratio_clamp", self.log_ratio_clamp, low=0.0, strict=True)
-        check_choice(own, "is_correction", self.is_correction, ("none", "tis", "mis"))
-        check_choice(own, "is_level", self.is_level, ("token", "sequence"))
+        check_choice(own, "is_correction", self.is_correction, CORRECTIONS)
+        check_choice(own, "is_level", self.is_level, IS_LEVELS)
         check_number(own, "is_cap", self.is_cap, low=1.0, strict=True)
         if self.is_correction != "none" and self.ratio in SEQUENCE_LEVEL_RATIOS and self.is_level != "sequence":
             fail(own, "is_level", self.is_level, f"'sequence' with ratio={self.ratio!r} (one loss per sequence)")
@@ -534,60 +538,10 @@ def policy_loss(
         log_gamma_BT = jnp.log(_stop_weight(router_shift, mask_BT.shape, "router_shift"))
         delta_BT = delta_BT + jnp.where(mask_BT, log_gamma_BT, 0.0)
     seq_ok_B = sequence_valid(mask_BT)
-    gate = GATE_FNS[cfg.gate]
-
     if cfg.sequence_level:
-        if cfg.ratio == "geometric":
-            lr = geometric_log_ratio(delta_BT, mask_BT, adv, cfg.eps_low, cfg.eps_high, clamp)
-            x_B = jnp.exp(lr.log_ratio)
-            loss_B, dual_B = -x_B * adv, jnp.zeros(adv.shape, bool)
-            if cfg.dual_clip_c is not None:
-                dual_B = (adv < 0) & (x_B > cfg.dual_clip_c)
-                loss_B = jnp.where(dual_B, -cfg.dual_clip_c * adv, loss_B)
-            low_BT, high_BT = lr.low_BT, lr.high_BT
-            seq_clipped_B = jnp.any(low_BT | high_BT, axis=-1) | dual_B
-            weight_B = jnp.where(dual_B, 0.0, jax.lax.stop_gradient(x_B))
-            log_s_B = lr.log_ratio
-        else:  # sequence, sequence_sum
-            seq_ratio = sequence_sum_log_ratio if cfg.ratio == "sequence_sum" else sequence_log_ratio
-            log_s_B = seq_ratio(delta_BT, mask_BT, clamp)
-            g = gate(cfg, log_s_B, adv)
-            loss_B, dual_B, weight_B = g.loss, g.dual, g.weight
-            low_BT, high_BT = g.low[:, None] & mask_BT, g.high[:, None] & mask_BT
-            seq_clipped_B = g.low | g.high | g.dual
-        if is_weight is not None:
-            loss_B = loss_B * _is_weight(is_weight, (adv.shape[0],))
-        if keep is not None:
-            loss_B = jnp.where(_keep(keep, (adv.shape[0],)), loss_B, 0.0)
-        policy_num = jnp.sum(jnp.where(seq_ok_B, loss_B, 0.0))
-        dual_BT = dual_B[:, None] & mask_BT
-        weight_BT = jnp.broadcast_to(weight_B[:, None], mask_BT.shape)
+        p = _sequence_policy(cfg, delta_BT, mask_BT, adv, seq_ok_B, is_weight, keep)
     else:
-        adv_BT = jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, mask_BT.shape)
-        if cfg.ratio == "sequence_sum_token":
-            log_x_BT = sequence_sum_token_log_ratio(delta_BT, logp_BT, mask_BT, clamp)
-            log_s_B = sequence_sum_log_ratio(delta_BT, mask_BT, clamp)
-        else:
-            if cfg.ratio == "sequence_token":
-                log_x_BT = sequence_token_log_ratio(delta_BT, logp_BT, mask_BT, clamp)
-            else:
-                log_x_BT = clamp_log_ratio(delta_BT, clamp)
-            log_s_B = sequence_log_ratio(delta_BT, mask_BT, clamp)
-        if cfg.gate == "vespo" and is_weight is not None:  # W = π_θ/π_sampler: the correction joins W
-            log_x_BT = log_x_BT + _log_is_weight_sum(is_weight, mask_BT, clamp)[:, None]
-            is_weight = None
-        g = gate(cfg, log_x_BT, adv_BT, jnp.where(mask_BT, logp_BT, 0.0))
-        low_BT, high_BT, dual_BT = g.low & mask_BT, g.high & mask_BT, g.dual & mask_BT
-        seq_clipped_B = jnp.any(low_BT | high_BT | dual_BT, axis=-1)
-        loss_BT = g.loss
-        if is_weight is not None:
-            w = jnp.asarray(is_weight)
-            loss_BT = loss_BT * _is_weight(w[:, None] if w.ndim == 1 else w, mask_BT.shape)
-        if keep is not None:
-            k = jnp.asarray(keep)
-            loss_BT = jnp.where(_keep(k[:, None] if k.ndim == 1 else k, mask_BT.shape), loss_BT, 0.0)
-        policy_num = token_loss_numerator(cfg.aggregation, loss_BT, mask_BT, cfg.sum_norm_len)
-        weight_BT = g.weight
+        p = _token_policy(cfg, delta_BT, logp_BT, mask_BT, adv, is_weight, keep)
 
     metrics: dict[str, Metric] = {}
     kl_num = jnp.zeros((), jnp.float32)
@@ -598,29 +552,108 @@ def policy_loss(
         kl_num = token_loss_numerator(kl_agg, kl_BT, mask_BT, cfg.sum_norm_len)
         metrics["kl_ref"] = Mean(_masked_sum(kl_BT, mask_BT), jnp.sum(mask_BT))
 
-    policy = policy_num / denom
+    policy = p.numerator / denom
     kl_term = cfg.kl_coef * kl_num / denom
     loss = policy + kl_term
     metrics.update(
         _diagnostics(
             clamp_log_ratio(raw_delta_BT, clamp),
-            log_s_B,
+            p.log_s_B,
             adv,
             mask_BT,
             seq_ok_B,
-            low_BT,
-            high_BT,
-            dual_BT,
-            seq_clipped_B,
-            weight_BT,
+            p.low_BT,
+            p.high_BT,
+            p.dual_BT,
+            p.seq_clipped_B,
+            p.weight_BT,
         )
     )
     metrics.update(loss=Sum(loss), policy_loss=Sum(policy), kl_loss=Sum(kl_term), denominator=Mean(denom, 1))
     if flipped is not None:
         metrics.update(
-            split_diagnostics(clamp_log_ratio(raw_delta_BT, clamp), low_BT | high_BT | dual_BT, mask_BT, flipped)
+            split_diagnostics(clamp_log_ratio(raw_delta_BT, clamp), p.low_BT | p.high_BT | p.dual_BT, mask_BT, flipped)
         )
     return loss, metrics
+
+
+class PolicyTerms(NamedTuple):
+    """The policy part of a loss before its denominator, and what its diagnostics read."""
+
+    numerator: Array  # the aggregation's numerator: the policy losses summed
+    log_s_B: Array  # each sequence's log-ratio, for the seq_ratio_* diagnostics
+    low_BT: Array  # bool: tokens clipped at the low side (a sequence's: all its tokens)
+    high_BT: Array  # bool: ... at the high side
+    dual_BT: Array  # bool: ... capped by the dual clip
+    seq_clipped_B: Array  # bool: sequences with anything clipped
+    weight_BT: Array  # each token's gradient weight relative to A·∇logp
+
+
+def _sequence_policy(
+    cfg: LossConfig, delta_BT: Array, mask_BT: Array, adv: Array, seq_ok_B: Array, is_weight, keep
+) -> PolicyTerms:
+    """Sequence-level ratios (sequence, sequence_sum, geometric): one ratio and one loss per sequence,
+    summed over the sequences that have a completion token; `is_weight` and `keep` are per sequence."""
+    clamp = cfg.log_ratio_clamp
+    if cfg.ratio == "geometric":
+        lr = geometric_log_ratio(delta_BT, mask_BT, adv, cfg.eps_low, cfg.eps_high, clamp)
+        x_B = jnp.exp(lr.log_ratio)
+        loss_B, dual_B = -x_B * adv, jnp.zeros(adv.shape, bool)
+        if cfg.dual_clip_c is not None:
+            dual_B = (adv < 0) & (x_B > cfg.dual_clip_c)
+            loss_B = jnp.where(dual_B, -cfg.dual_clip_c * adv, loss_B)
+        low_BT, high_BT = lr.low_BT, lr.high_BT
+        seq_clipped_B = jnp.any(low_BT | high_BT, axis=-1) | dual_B
+        weight_B = jnp.where(dual_B, 0.0, jax.lax.stop_gradient(x_B))
+        log_s_B = lr.log_ratio
+    else:  # sequence, sequence_sum
+        seq_ratio = sequence_sum_log_ratio if cfg.ratio == "sequence_sum" else sequence_log_ratio
+        log_s_B = seq_ratio(delta_BT, mask_BT, clamp)
+        g = GATE_FNS[cfg.gate](cfg, log_s_B, adv)
+        loss_B, dual_B, weight_B = g.loss, g.dual, g.weight
+        low_BT, high_BT = g.low[:, None] & mask_BT, g.high[:, None] & mask_BT
+        seq_clipped_B = g.low | g.high | g.dual
+    if is_weight is not None:
+        loss_B = loss_B * _is_weight(is_weight, (adv.shape[0],))
+    if keep is not None:
+        loss_B = jnp.where(_keep(keep, (adv.shape[0],)), loss_B, 0.0)
+    policy_num = jnp.sum(jnp.where(seq_ok_B, loss_B, 0.0))
+    dual_BT = dual_B[:, None] & mask_BT
+    weight_BT = jnp.broadcast_to(weight_B[:, None], mask_BT.shape)
+    return PolicyTerms(policy_num, log_s_B, low_BT, high_BT, dual_BT, seq_clipped_B, weight_BT)
+
+
+def _token_policy(
+    cfg: LossConfig, delta_BT: Array, logp_BT: Array, mask_BT: Array, adv: Array, is_weight, keep
+) -> PolicyTerms:
+    """Token-level ratios (token, sequence_token, sequence_sum_token): a loss per token, aggregated as
+    `cfg.aggregation` says; `is_weight` and `keep` per token, or per sequence broadcast over its tokens."""
+    clamp = cfg.log_ratio_clamp
+    adv_BT = jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, mask_BT.shape)
+    if cfg.ratio == "sequence_sum_token":
+        log_x_BT = sequence_sum_token_log_ratio(delta_BT, logp_BT, mask_BT, clamp)
+        log_s_B = sequence_sum_log_ratio(delta_BT, mask_BT, clamp)
+    else:
+        if cfg.ratio == "sequence_token":
+            log_x_BT = sequence_token_log_ratio(delta_BT, logp_BT, mask_BT, clamp)
+        else:
+            log_x_BT = clamp_log_ratio(delta_BT, clamp)
+        log_s_B = sequence_log_ratio(delta_BT, mask_BT, clamp)
+    if cfg.gate == "vespo" and is_weight is not None:  # W = π_θ/π_sampler: the correction joins W
+        log_x_BT = log_x_BT + _log_is_weight_sum(is_weight, mask_BT, clamp)[:, None]
+        is_weight = None
+    g = GATE_FNS[cfg.gate](cfg, log_x_BT, adv_BT, jnp.where(mask_BT, logp_BT, 0.0))
+    low_BT, high_BT, dual_BT = g.low & mask_BT, g.high & mask_BT, g.dual & mask_BT
+    seq_clipped_B = jnp.any(low_BT | high_BT | dual_BT, axis=-1)
+    loss_BT = g.loss
+    if is_weight is not None:
+        w = jnp.asarray(is_weight)
+        loss_BT = loss_BT * _is_weight(w[:, None] if w.ndim == 1 else w, mask_BT.shape)
+    if keep is not None:
+        k = jnp.asarray(keep)
+        loss_BT = jnp.where(_keep(k[:, None] if k.ndim == 1 else k, mask_BT.shape), loss_BT, 0.0)
+    policy_num = token_loss_numerator(cfg.aggregation, loss_BT, mask_BT, cfg.sum_norm_len)
+    return PolicyTerms(policy_num, log_s_B, low_BT, high_BT, dual_BT, seq_clipped_B, g.weight)
 
 
 def split_diagnostics(delta_BT: Array, clipped_BT: Array, mask_BT: Array, flipped_BT: Array) -> dict[str, Metric]:

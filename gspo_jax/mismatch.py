@@ -16,9 +16,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gspo_jax.losses import LossConfig, clamp_log_ratio, kl_k3, sequence_valid
+from gspo_jax.losses import CORRECTIONS, IS_LEVELS, LossConfig, clamp_log_ratio, kl_k3, sequence_valid
 from gspo_jax.metrics import Mean, Metric
 from gspo_jax.routing import routing_drift
+from gspo_jax.validation import check_choice
 
 Array = jax.Array
 
@@ -58,9 +59,7 @@ def mismatch_metrics(
 
 # ----------------------------------------------------------------------------------------------
 # Corrections: importance weights π_old / π_sampler on the loss (they compose with every objective).
-
-CORRECTIONS = ("none", "tis", "mis")  # truncated / masked importance sampling
-IS_LEVELS = ("token", "sequence")
+# The choices, `losses.CORRECTIONS` and `losses.IS_LEVELS`, live beside the `LossConfig` that names them.
 
 
 class Correction(NamedTuple):
@@ -81,6 +80,8 @@ def correction(
     log space, clamped). MIS: drop tokens (sequences) whose w lies outside [1/C, C]. With equal log-probs
     both are the identity. Metrics: `is_weight_mean` (mean w over tokens or sequences) and `is_cut_frac`
     (the fraction truncated, TIS, or masked, MIS)."""
+    check_choice("correction", "kind", kind, CORRECTIONS)
+    check_choice("correction", "level", level, IS_LEVELS)
     m = jnp.asarray(mask_BT) > 0
     if kind == "none":
         return Correction(None, m, {})

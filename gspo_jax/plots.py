@@ -78,7 +78,7 @@ def plot_run(workdir: str | os.PathLike, out_dir: str | os.PathLike | None = Non
         if not lines:
             continue
         fig = _line_figure(lines, spec.title, spec.ylabel, spec.log_when_wide)
-        written.append(_save(fig, out / f"{spec.name}.png"))
+        written.append(save_figure(fig, out / f"{spec.name}.png"))
     return written
 
 
@@ -92,7 +92,7 @@ def plot_comparison(workdirs: Mapping[str, str | os.PathLike], key: str, out_pat
     if not lines:
         return None
     fig = _line_figure(lines, key, key, log_when_wide=False)
-    return _save(fig, Path(out_path))
+    return save_figure(fig, Path(out_path))
 
 
 def _has_data(line: tuple[list, list]) -> bool:
@@ -115,7 +115,9 @@ def _line_figure(lines: Mapping[str, tuple[list, list]], title: str, ylabel: str
     return fig
 
 
-def _save(fig: Figure, path: Path) -> Path:
+def save_figure(fig: Figure, path: Path, dpi: int = 120) -> Path:
+    """Writes `fig` as a PNG at `path` (its folder created if need be); returns the path. Every figure
+    of the project is saved here: the run's plots, scripts/drift.py's and the sweep report's."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=dpi)
     return path

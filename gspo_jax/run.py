@@ -37,7 +37,7 @@ from gspo_jax.writers import MetricWriter
 
 class StoppedEarly(Exception):
     """The run stopped at an iteration boundary on SIGTERM or SIGINT, after saving a checkpoint;
-    running it again resumes there. `scripts/train.py` exits with `EXIT_STOPPED` for it."""
+    running it again resumes there. `scripts/train.py` exits with `exit_codes.EXIT_STOPPED` for it."""
 
     def __init__(self, signum: int, iteration: int):
         self.signum, self.iteration = signum, iteration

@@ -21,7 +21,7 @@ from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
 from gspo_jax import sweeps
-from gspo_jax.plots import series
+from gspo_jax.plots import save_figure, series
 from gspo_jax.writers import read_metrics
 
 ACCURACY = "eval_accuracy"  # held-out greedy accuracy: what the report ranks arms by
@@ -141,6 +141,19 @@ def _markdown(sweep, root: Path, results, arms, figures: Sequence[Path]) -> str:
         "",
         f"{len(results)} runs: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n) + ".",
         "",
+    ]
+    lines += _arms_section(results, arms)
+    lines += _diagnostics_section(results, arms)
+    lines += _runs_section(results)
+    if figures:
+        lines += _figures_section(root, figures)
+    return "\n".join(lines) + "\n"
+
+
+def _arms_section(results: Sequence[RunResult], arms: Mapping[str, list[RunResult]]) -> list[str]:
+    """Accuracy, collapses and wall time per arm, over its finished runs (with sampled accuracy and the
+    gains where a run logged it)."""
+    lines = [
         "## Arms",
         "",
         f"Per arm (the runs that differ only in seed), over its finished runs: mean ± sample standard deviation "
@@ -184,11 +197,14 @@ def _markdown(sweep, root: Path, results, arms, figures: Sequence[Path]) -> str:
     header = ["arm", "finished", "step-0 acc", "final acc", "best acc", "AUC"]
     if sampled:
         header += ["gain", "step-0 sampled", "final sampled", "sampled gain"]
-    lines += _table([*header, "collapsed", "wall time (s)"], rows)
+    return lines + _table([*header, "collapsed", "wall time (s)"], rows)
 
+
+def _diagnostics_section(results: Sequence[RunResult], arms: Mapping[str, list[RunResult]]) -> list[str]:
+    """The `DIAGNOSTICS` some run logged, per arm; those none did, named."""
     present = [(k, d) for k, d in DIAGNOSTICS if any(r.values(k) for r in results)]
     absent = [k for k, _ in DIAGNOSTICS if k not in dict(present)]
-    lines += ["", "## Diagnostics", "", "Mean over a run's training steps, then mean ± sd over the arm's seeds."]
+    lines = ["", "## Diagnostics", "", "Mean over a run's training steps, then mean ± sd over the arm's seeds."]
     lines += [""] + [f"- `{k}`: {d}" for k, d in present]
     if absent:
         lines += [f"- not logged by any run: {', '.join(f'`{k}`' for k in absent)}"]
@@ -197,9 +213,12 @@ def _markdown(sweep, root: Path, results, arms, figures: Sequence[Path]) -> str:
         [f"`{arm}`", *(_fmt([r.mean(k) for r in rs if r.status == "done"]) for k, _ in present)]
         for arm, rs in arms.items()
     ]
-    lines += _table(["arm", *(f"`{k}`" for k, _ in present)], rows)
+    return lines + _table(["arm", *(f"`{k}`" for k, _ in present)], rows)
 
-    lines += ["", "## Runs", ""]
+
+def _runs_section(results: Sequence[RunResult]) -> list[str]:
+    """Every run's status, progress and wall time; the unfinished named, each failure's last log lines."""
+    lines = ["", "## Runs", ""]
     rows = []
     for r in results:
         acc = r.accuracy()
@@ -221,13 +240,15 @@ def _markdown(sweep, root: Path, results, arms, figures: Sequence[Path]) -> str:
         if r.status == "failed":
             lines += ["", f"### `{r.run.name}` failed (exit {r.attempts[-1]['rc']}), last lines of its log", "", "```"]
             lines += [*r.tail, "```"]
+    return lines
 
-    if figures:
-        lines += ["", "## Figures", "", "Every run with metrics, finished or not. Lines: the mean over an arm's"]
-        lines[-1] += " seeds; bands: their range (min to max)."
-        lines += [""]
-        lines += [f"![{p.stem}]({p.relative_to(root).as_posix()})" for p in figures]
-    return "\n".join(lines) + "\n"
+
+def _figures_section(root: Path, figures: Sequence[Path]) -> list[str]:
+    """The figures, linked relative to the report."""
+    lines = ["", "## Figures", "", "Every run with metrics, finished or not. Lines: the mean over an arm's"]
+    lines[-1] += " seeds; bands: their range (min to max)."
+    lines += [""]
+    return lines + [f"![{p.stem}]({p.relative_to(root).as_posix()})" for p in figures]
 
 
 # ------------------------------------------------------------------ figures
@@ -371,6 +392,5 @@ def _figures(arms: Mapping[str, list[RunResult]], out: Path) -> list[Path]:
         if fig is None:
             (out / f"{name}.png").unlink(missing_ok=True)  # an earlier report's, now without data
             continue
-        fig.savefig(out / f"{name}.png", dpi=100)
-        written.append(out / f"{name}.png")
+        written.append(save_figure(fig, out / f"{name}.png", dpi=100))
     return written

@@ -17,10 +17,9 @@ from pathlib import Path
 from typing import TextIO
 
 from gspo_jax import sweeps, workdir
+from gspo_jax.exit_codes import EXIT_DONE, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_STOPPED
 from gspo_jax.workdir import Lock
 
-EXIT_DONE, EXIT_FAILED, EXIT_REFUSED, EXIT_STOPPED = 0, 1, 2, 75
-TRAIN_STOPPED, TRAIN_INTERRUPTED = 75, 130  # scripts/train.py: checkpoint saved / stopped at once; both resume
 TAIL_LINES = 20
 # Thread pools that read these size themselves from them; unknown names are ignored, so they are safe
 # whatever the installed libraries (unlike XLA flags, which abort a process whose XLA does not know them).
@@ -215,8 +214,9 @@ class Runner:
             tail = _tail(run_dir / sweeps.LOG_FILE, child.log_offset)
             # A child our signal reached before train.py installed its handler (start-up) dies of it.
             killed_by_us = self.signals and rc in (-signal.SIGTERM, -signal.SIGINT)
-            stopped = rc in (TRAIN_STOPPED, TRAIN_INTERRUPTED) or killed_by_us
-            status = "done" if rc == 0 else "stopped" if stopped else "failed"
+            # scripts/train.py stopped with a checkpoint saved (75), or at once (130): both resume.
+            stopped = rc in (EXIT_STOPPED, EXIT_INTERRUPTED) or killed_by_us
+            status = "done" if rc == EXIT_DONE else "stopped" if stopped else "failed"
             command = [self.python, *run.train_args(run_dir)]
             sweeps.record_attempt(run_dir, status, rc=rc, seconds=seconds, command=command, tail=tail)
             if status == "done":

@@ -25,6 +25,7 @@ from ml_collections import config_flags  # noqa: E402
 
 from gspo_jax import aot  # noqa: E402
 from gspo_jax import config as config_lib  # noqa: E402
+from gspo_jax.exit_codes import EXIT_REFUSED  # noqa: E402
 from gspo_jax.validation import ConfigError  # noqa: E402
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A configs/<algorithm>.py[:size] file.", lock_config=True)
@@ -53,7 +54,7 @@ def main(argv):
             rows += layout_rows
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
-        return 2
+        return EXIT_REFUSED
     if _JSON.value:
         with open(_JSON.value, "w", encoding="utf-8") as f:
             json.dump([dict(vars(r), total_bytes=r.total_bytes, fits=r.fits) for r in rows], f, indent=1)

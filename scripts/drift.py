@@ -32,9 +32,10 @@ from matplotlib.figure import Figure  # noqa: E402
 from matplotlib.ticker import MaxNLocator  # noqa: E402
 
 from gspo_jax import snapshots  # noqa: E402
+from gspo_jax.exit_codes import EXIT_REFUSED  # noqa: E402
+from gspo_jax.plots import save_figure  # noqa: E402
 from gspo_jax.validation import ConfigError  # noqa: E402
 
-EXIT_REFUSED = 2
 # The printed table's columns, as (metric, header).
 COLUMNS = (
     ("slot_change_rate", "slot_chg"),
@@ -152,11 +153,6 @@ def x_axis(report: dict) -> tuple[list, str]:
     return list(range(len(snaps))), "snapshot"
 
 
-def save(fig: Figure, path: Path) -> Path:
-    fig.savefig(path, dpi=120)
-    return path
-
-
 def plot_heatmap(report: dict, path: Path) -> Path:
     """Flip rate from the first snapshot, MoE layer × snapshot."""
     rate_LS = np.array(report["from_first"]["flip_rate_per_layer"]).T
@@ -173,7 +169,7 @@ def plot_heatmap(report: dict, path: Path) -> Path:
     xlabel = x_axis(report)[1]
     ax.set(title=f"Router flip rate from {xlabel} {labels[0]}", xlabel=xlabel, ylabel="MoE layer")
     fig.colorbar(image, ax=ax, label="flip rate")
-    return save(fig, path)
+    return save_figure(fig, path)
 
 
 def plot_curve(report: dict, path: Path) -> Path:
@@ -197,7 +193,7 @@ def plot_curve(report: dict, path: Path) -> Path:
             ax.set_xticks(xs, [s["label"] for s in report["snapshots"]])
         else:
             ax.xaxis.set_major_locator(MaxNLocator(integer=True))
-    return save(fig, path)
+    return save_figure(fig, path)
 
 
 def drift(args) -> dict:

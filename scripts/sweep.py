@@ -30,7 +30,8 @@ import sys
 from pathlib import Path
 
 from gspo_jax import sweeps
-from gspo_jax.sweep_runner import EXIT_REFUSED, Runner, SweepLock
+from gspo_jax.exit_codes import EXIT_REFUSED
+from gspo_jax.sweep_runner import Runner, SweepLock
 from gspo_jax.workdir import WorkdirBusy
 
 REPO = Path(__file__).resolve().parents[1]  # scripts/train.py and the config paths are relative to it

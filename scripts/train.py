@@ -45,10 +45,9 @@ from ml_collections import config_flags  # noqa: E402
 from gspo_jax import config as config_lib  # noqa: E402
 from gspo_jax import multihost  # noqa: E402
 from gspo_jax.compiles import use_persistent_cache  # noqa: E402
+from gspo_jax.exit_codes import EXIT_INTERRUPTED, EXIT_REFUSED, EXIT_STOPPED  # noqa: E402
 from gspo_jax.run import StoppedEarly, train_and_evaluate  # noqa: E402
 from gspo_jax.workdir import WorkdirBusy  # noqa: E402
-
-EXIT_REFUSED, EXIT_STOPPED, EXIT_INTERRUPTED = 2, 75, 130  # 75: EX_TEMPFAIL, "try again"
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "A configs/<algorithm>.py[:size] file.", lock_config=True)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Where checkpoints, metrics.jsonl, TensorBoard and plots go.")

@@ -7,6 +7,7 @@ import argparse
 import json
 import os
 import subprocess
+from collections.abc import Callable
 from pathlib import Path
 
 import jax
@@ -23,8 +24,6 @@ from benchmarks.run.step import loss_share, train_mfu
 from benchmarks.run.targets import print_targets
 from gspo_jax.host_memory import reexec_with_huge_pages
 
-SECTIONS = ("peak", "train", "loss", "moe", "sampler", "iteration", "scaling", "diagnostics", "critic", "real", "race")
-ACCELERATOR_SECTIONS = ("real", "race")  # what runs by default on a GPU or TPU
 RESULTS = Path(__file__).parents[1] / "results.json"
 
 
@@ -50,7 +49,131 @@ def accelerator_versions() -> dict:
     return out
 
 
-def real_section(repeats: int) -> dict:
+# ------------------------------------------------------------------ the sections
+# Each runs its measurement, prints its own lines and returns what goes into the JSON under its name;
+# `results` holds what ran before it (the machine, the peak whose FLOP/s is every MFU's denominator).
+
+
+def _flops(results: dict) -> float:
+    return results["peak"]["flops_per_s"]
+
+
+def peak_section(tiny: bool, repeats: int, results: dict) -> dict:
+    r = peak(tiny, repeats)
+    print(f"peak float32 matmul: {r['flops_per_s'] / 1e9:.1f} GFLOP/s ({results['machine']})")
+    return r
+
+
+def train_section(tiny: bool, repeats: int, results: dict) -> dict:
+    out = train_mfu(tiny, repeats, _flops(results))
+    for name, r in out.items():
+        print(
+            f"train step [{name}]: {r['seconds'] * 1e3:.1f} ms, MFU {r['mfu']:.1%} (best of {r['calls']} calls; "
+            f"median {r['median_seconds'] * 1e3:.1f} ms, {r['mfu_median']:.1%})"
+        )
+    return out
+
+
+def loss_section(tiny: bool, repeats: int, results: dict) -> dict:
+    out = loss_share(tiny, repeats)
+    for name, r in out["by_objective"].items():
+        print(f"loss [{name}]: {r['seconds'] * 1e3:.2f} ms, {r['share_of_train_step']:.1%} of a train step")
+    return out
+
+
+def moe_section(tiny: bool, repeats: int, results: dict) -> dict:
+    out = moe_dispatch(tiny, repeats)
+    if jax.device_count() == 1:
+        out["two_devices"] = moe_expert_parallel(tiny, repeats)
+    for r in out["rows"]:
+        dense_ms, dense = r["dense_seconds"] * 1e3, r["dense_seconds"]
+        print(
+            f"moe N={r['tokens']} E={r['experts']}: dense {dense_ms:.2f} ms, ragged/dense "
+            f"{r['ragged_seconds'] / dense:.2f}, sparse/dense {r['sparse_seconds'] / dense:.2f}"
+        )
+    for r in out.get("two_devices", out["rows"]):
+        if "expert_parallel_seconds" in r:
+            print(
+                f"moe N={r['tokens']} E={r['experts']}, 2 devices: expert-parallel/sparse "
+                f"{r['expert_parallel_seconds'] / r['sparse_seconds']:.2f}, expert-parallel/dense "
+                f"{r['expert_parallel_seconds'] / r['dense_seconds']:.2f}"
+            )
+    return out
+
+
+def sampler_section(tiny: bool, repeats: int, results: dict) -> dict:
+    s = sampler_throughput(tiny, repeats, _flops(results))
+    print(
+        f"sampler batch {s['batch']}: {s['tokens_per_s']:,.0f} tokens/s, {s['speedup_vs_naive']:.1f}x naive, "
+        f"decode MFU {s['decode_mfu']:.1%}; by batch: "
+        + ", ".join(f"{r['batch']}: {r['tokens_per_s']:,.0f}" for r in s["by_batch"])
+        + f"; with {s['threads']} threads (the trainer's): "
+        + ", ".join(f"{r['batch']}: {r['tokens_per_s']:,.0f}" for r in s["by_batch_threaded"])
+    )
+    return s
+
+
+def iteration_section(tiny: bool, repeats: int, results: dict) -> dict:
+    it = iteration(tiny, repeats)
+    cache = it.pop("compilation_cache")
+    for name, r in it.items():
+        parts = ", ".join(f"{k.removesuffix('_seconds')} {v:.2f}" for k, v in r["split"].items())
+        print(
+            f"iteration [{name}]: {r['seconds']:.2f} s ({parts}); compiles after warm-up "
+            f"{r['compiles_after_warmup']}, first iteration after {r['seconds_to_first_iteration']:.1f} s"
+        )
+    it["compilation_cache"] = cache
+    print(
+        f"first iteration (drift on) with a persistent compilation cache: empty "
+        f"{cache['seconds_to_first_iteration_cold']:.1f} s, filled by a previous run "
+        f"{cache['seconds_to_first_iteration_warm']:.1f} s"
+    )
+    return it
+
+
+def scaling_section(tiny: bool, repeats: int, results: dict) -> dict:
+    sc = iteration_scaling(tiny, repeats)
+    for r in sc["rows"]:
+        parts = ", ".join(f"{k.removesuffix('_seconds')} {v:.3f}" for k, v in r["split"].items())
+        print(
+            f"iteration, {'tiny' if tiny else 'default'} config, group size {r['group_size']}, "
+            f"up to {r['max_new_tokens']} new tokens ({r['sequences']} sequences, mean length "
+            f"{r['completion_len_mean']:.1f}): {r['seconds']:.3f} s, {r['seconds_at_config_cadence']:.3f} s with "
+            f"evaluation every {sc['eval_every']} and a save every {sc['checkpoint_every']} ({parts})"
+        )
+    return sc
+
+
+def diagnostics_section(tiny: bool, repeats: int, results: dict) -> dict:
+    d = diagnostics_cost(tiny, repeats)
+    print(
+        f"drift + routing diagnostics, {'tiny' if tiny else 'default'} config: "
+        f"{d['share']:.1%} of an iteration (drift pass {d['drift_share']:.1%}, "
+        f"the step's routing split {d['split_share']:.1%}: "
+        f"{d['step_with_split'] * 1e3:.1f} vs {d['step_without_split'] * 1e3:.1f} ms per update); whole runs "
+        f"{d['on']['seconds']:.3f} s/iteration on, {d['off']['seconds']:.3f} off"
+    )
+    return d
+
+
+def critic_section(tiny: bool, repeats: int, results: dict) -> dict:
+    r = critic_cost(tiny, repeats)
+    its = r["iterations"]
+    print(
+        f"critic, {'tiny' if tiny else 'default'} config: {r['critic_share']:.1%} of a PPO "
+        "iteration "
+        f"(train step {r['step_with_critic_seconds'] * 1e3:.1f} vs {r['step_without_critic_seconds'] * 1e3:.1f} ms "
+        f"without its update; values pass {r['estimate_seconds'] * 1e3:.1f} ms, the scoring forward "
+        f"{r['score_seconds'] * 1e3:.1f} ms); memory: critic params {r['critic_param_bytes'] / 2**20:.2f} MiB + "
+        f"moments {r['critic_opt_bytes'] / 2**20:.2f} MiB (policy {r['policy_param_bytes'] / 2**20:.2f} + "
+        f"{r['policy_opt_bytes'] / 2**20:.2f}), step temporaries {r['step_with_critic_temp_bytes'] / 2**20:.1f} vs "
+        f"{r['step_without_critic_temp_bytes'] / 2**20:.1f} MiB; iteration: "
+        + ", ".join(f"{k} {v['seconds']:.3f} s" for k, v in its.items())
+    )
+    return r
+
+
+def real_section(tiny: bool, repeats: int, results: dict) -> dict:
     """The real-dims train and decode steps (`accelerator`); compile-only memory on a CPU."""
     if jax.default_backend() == "cpu":
         rows = [accelerator.train_step(d, repeats, 0.0, compile_only=True) for d in ("sparse", "ragged")]
@@ -90,9 +213,32 @@ def real_section(repeats: int) -> dict:
     return out
 
 
+def race_section(tiny: bool, repeats: int, results: dict) -> dict:
+    """The race shape's iteration (`benchmarks/trl_race.py` runs TRL's beside it)."""
+    r = race_iteration(iteration_config("tiny" if tiny else "iteration"))
+    print(f"race shape, one iteration: {r['seconds'] * 1e3:.0f} ms, split {r['split']}")
+    return r
+
+
+SECTIONS: dict[str, Callable[[bool, int, dict], dict]] = {
+    "peak": peak_section,  # run with every section but the accelerator's: its FLOP/s is their denominator
+    "train": train_section,
+    "loss": loss_section,
+    "moe": moe_section,
+    "sampler": sampler_section,
+    "iteration": iteration_section,
+    "scaling": scaling_section,
+    "diagnostics": diagnostics_section,
+    "critic": critic_section,
+    "real": real_section,
+    "race": race_section,
+}
+ACCELERATOR_SECTIONS = ("real", "race")  # what runs by default on a GPU or TPU, and first
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--only", action="append", choices=SECTIONS, help="run only these sections")
+    ap.add_argument("--only", action="append", choices=tuple(SECTIONS), help="run only these sections")
     ap.add_argument("--size", default="full", choices=("full", "tiny"), help="tiny: seconds, for the smoke test")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=str(RESULTS))
@@ -114,104 +260,14 @@ def main():
     results["jax_disable_most_optimizations"] = bool(jax.config.values["jax_disable_most_optimizations"])
     if accel:
         results.update(accelerator_versions())
-    if "real" in sections:
-        results["real"] = real_section(repeats)
-    if "race" in sections:  # the race shape's iteration (`benchmarks/trl_race.py` runs TRL's beside it)
-        results["race"] = r = race_iteration(iteration_config("tiny" if tiny else "iteration"))
-        print(f"race shape, one iteration: {r['seconds'] * 1e3:.0f} ms, split {r['split']}")
-    if accel and not set(sections) - {"real", "race"}:
-        Path(args.out).write_text(json.dumps(results, indent=2, default=float))
-        print(f"wrote {args.out}")
-        return
-    results["peak"] = peak(tiny, repeats)
-    flops = results["peak"]["flops_per_s"]
-    print(f"peak float32 matmul: {flops / 1e9:.1f} GFLOP/s ({results['machine']})")
-    if "train" in sections:
-        results["train"] = train_mfu(tiny, repeats, flops)
-        for name, r in results["train"].items():
-            print(
-                f"train step [{name}]: {r['seconds'] * 1e3:.1f} ms, MFU {r['mfu']:.1%} (best of {r['calls']} calls; "
-                f"median {r['median_seconds'] * 1e3:.1f} ms, {r['mfu_median']:.1%})"
-            )
-    if "loss" in sections:
-        results["loss"] = loss_share(tiny, repeats)
-        for name, r in results["loss"]["by_objective"].items():
-            print(f"loss [{name}]: {r['seconds'] * 1e3:.2f} ms, {r['share_of_train_step']:.1%} of a train step")
-    if "moe" in sections:
-        results["moe"] = moe_dispatch(tiny, repeats)
-        if jax.device_count() == 1:
-            results["moe"]["two_devices"] = moe_expert_parallel(tiny, repeats)
-        for r in results["moe"]["rows"]:
-            dense_ms, dense = r["dense_seconds"] * 1e3, r["dense_seconds"]
-            print(
-                f"moe N={r['tokens']} E={r['experts']}: dense {dense_ms:.2f} ms, ragged/dense "
-                f"{r['ragged_seconds'] / dense:.2f}, sparse/dense {r['sparse_seconds'] / dense:.2f}"
-            )
-        for r in results["moe"].get("two_devices", results["moe"]["rows"]):
-            if "expert_parallel_seconds" in r:
-                print(
-                    f"moe N={r['tokens']} E={r['experts']}, 2 devices: expert-parallel/sparse "
-                    f"{r['expert_parallel_seconds'] / r['sparse_seconds']:.2f}, expert-parallel/dense "
-                    f"{r['expert_parallel_seconds'] / r['dense_seconds']:.2f}"
-                )
-    if "sampler" in sections:
-        results["sampler"] = s = sampler_throughput(tiny, repeats, flops)
-        print(
-            f"sampler batch {s['batch']}: {s['tokens_per_s']:,.0f} tokens/s, {s['speedup_vs_naive']:.1f}x naive, "
-            f"decode MFU {s['decode_mfu']:.1%}; by batch: "
-            + ", ".join(f"{r['batch']}: {r['tokens_per_s']:,.0f}" for r in s["by_batch"])
-            + f"; with {s['threads']} threads (the trainer's): "
-            + ", ".join(f"{r['batch']}: {r['tokens_per_s']:,.0f}" for r in s["by_batch_threaded"])
-        )
-    if "iteration" in sections:
-        results["iteration"] = it = iteration(tiny, repeats)
-        cache = it.pop("compilation_cache")
-        for name, r in it.items():
-            parts = ", ".join(f"{k.removesuffix('_seconds')} {v:.2f}" for k, v in r["split"].items())
-            print(
-                f"iteration [{name}]: {r['seconds']:.2f} s ({parts}); compiles after warm-up "
-                f"{r['compiles_after_warmup']}, first iteration after {r['seconds_to_first_iteration']:.1f} s"
-            )
-        it["compilation_cache"] = cache
-        print(
-            f"first iteration (drift on) with a persistent compilation cache: empty "
-            f"{cache['seconds_to_first_iteration_cold']:.1f} s, filled by a previous run "
-            f"{cache['seconds_to_first_iteration_warm']:.1f} s"
-        )
-    if "scaling" in sections:
-        results["scaling"] = sc = iteration_scaling(tiny, repeats)
-        for r in sc["rows"]:
-            parts = ", ".join(f"{k.removesuffix('_seconds')} {v:.3f}" for k, v in r["split"].items())
-            print(
-                f"iteration, {'tiny' if tiny else 'default'} config, group size {r['group_size']}, "
-                f"up to {r['max_new_tokens']} new tokens ({r['sequences']} sequences, mean length "
-                f"{r['completion_len_mean']:.1f}): {r['seconds']:.3f} s, {r['seconds_at_config_cadence']:.3f} s with "
-                f"evaluation every {sc['eval_every']} and a save every {sc['checkpoint_every']} ({parts})"
-            )
-    if "diagnostics" in sections:
-        results["diagnostics"] = d = diagnostics_cost(tiny, repeats)
-        print(
-            f"drift + routing diagnostics, {'tiny' if tiny else 'default'} config: "
-            f"{d['share']:.1%} of an iteration (drift pass {d['drift_share']:.1%}, "
-            f"the step's routing split {d['split_share']:.1%}: "
-            f"{d['step_with_split'] * 1e3:.1f} vs {d['step_without_split'] * 1e3:.1f} ms per update); whole runs "
-            f"{d['on']['seconds']:.3f} s/iteration on, {d['off']['seconds']:.3f} off"
-        )
-    if "critic" in sections:
-        results["critic"] = r = critic_cost(tiny, repeats)
-        its = r["iterations"]
-        print(
-            f"critic, {'tiny' if tiny else 'default'} config: {r['critic_share']:.1%} of a PPO "
-            "iteration "
-            f"(train step {r['step_with_critic_seconds'] * 1e3:.1f} vs {r['step_without_critic_seconds'] * 1e3:.1f} ms "
-            f"without its update; values pass {r['estimate_seconds'] * 1e3:.1f} ms, the scoring forward "
-            f"{r['score_seconds'] * 1e3:.1f} ms); memory: critic params {r['critic_param_bytes'] / 2**20:.2f} MiB + "
-            f"moments {r['critic_opt_bytes'] / 2**20:.2f} MiB (policy {r['policy_param_bytes'] / 2**20:.2f} + "
-            f"{r['policy_opt_bytes'] / 2**20:.2f}), step temporaries {r['step_with_critic_temp_bytes'] / 2**20:.1f} vs "
-            f"{r['step_without_critic_temp_bytes'] / 2**20:.1f} MiB; iteration: "
-            + ", ".join(f"{k} {v['seconds']:.3f} s" for k, v in its.items())
-        )
-    print_targets(results)
+    # The accelerator's sections first; the peak and the others (and the targets) unless those were all.
+    accelerator_only = accel and not set(sections) - set(ACCELERATOR_SECTIONS)
+    rest = () if accelerator_only else tuple(s for s in SECTIONS if s not in ACCELERATOR_SECTIONS)
+    for name in (*ACCELERATOR_SECTIONS, *rest):
+        if name in sections or name == "peak":
+            results[name] = SECTIONS[name](tiny, repeats, results)
+    if not accelerator_only:
+        print_targets(results)
     Path(args.out).write_text(json.dumps(results, indent=2, default=float))
     print(f"wrote {args.out}")
 
