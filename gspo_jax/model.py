@@ -706,13 +706,7 @@ def score(
     """log-probs of the given tokens at `temperature` (aligned to positions, float32 [B, T]) and the
     router top-k [B, L, T, K]: how the policy scores a rollout (π_old's recompute, π_ref, drift), in
     `ModelConfig.batch_chunks` chunks of the batch. Jit with `graphdef` and `temperature` static."""
-
-    def one(tokens_BT, positions_BT, forced_topk_BLTK):
-        logp_BT, aux = logprobs(graphdef, state, tokens_BT, positions_BT, forced_topk_BLTK, temperature)
-        return logp_BT, aux.topk
-
-    chunks = nnx.merge(graphdef, state).cfg.batch_chunks
-    return in_batch_chunks(one, chunks, tokens_BT, positions_BT, forced_topk_BLTK)
+    return _score(graphdef, temperature, state, tokens_BT, positions_BT, forced_topk_BLTK, router=False)
 
 
 def score_with_router(
@@ -725,9 +719,14 @@ def score_with_router(
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """`score`, and the router's log-probabilities at the experts the forward used, float32 [B, L, T, K]
     (`router_shift.expert_logprobs`): π_old's, for RSPO's router-shift ratio. The same forward."""
+    return _score(graphdef, temperature, state, tokens_BT, positions_BT, forced_topk_BLTK, router=True)
 
+
+def _score(graphdef, temperature, state, tokens_BT, positions_BT, forced_topk_BLTK, router: bool):
     def one(tokens_BT, positions_BT, forced_topk_BLTK):
-        logp_BT, aux = logprobs(graphdef, state, tokens_BT, positions_BT, forced_topk_BLTK, temperature, True)
+        logp_BT, aux = logprobs(graphdef, state, tokens_BT, positions_BT, forced_topk_BLTK, temperature, router)
+        if not router:
+            return logp_BT, aux.topk
         return logp_BT, aux.topk, router_shift.expert_logprobs(aux.router_logits, aux.topk)
 
     chunks = nnx.merge(graphdef, state).cfg.batch_chunks
