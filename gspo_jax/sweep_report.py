@@ -20,13 +20,13 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from gspo_jax import sweeps
+from gspo_jax import analysis, sweeps
 from gspo_jax.plots import save_figure, series
 from gspo_jax.writers import read_metrics
 
 ACCURACY = "eval_accuracy"  # held-out greedy accuracy: what the report ranks arms by
 SAMPLED = "eval_accuracy_sampled"  # held-out accuracy at the rollout's sampling settings, where logged
-COLLAPSE_DROP = 0.10  # collapsed: final held-out accuracy this far below the step-0 (warm-start) one
+COLLAPSE_DROP = analysis.COLLAPSE_DROP  # collapsed: final accuracy this far below the step-0 one
 LOSS_KEYS = ("loss", "total_loss")  # ... or one of these non-finite at some step
 # Diagnostics in the arm table, where logged: mean over a run's training steps, then over its seeds.
 DIAGNOSTICS = (
@@ -65,21 +65,27 @@ class RunResult:
         return sum(vs) / len(vs) if vs else None
 
     def accuracy(self, key: str = ACCURACY) -> dict[str, float] | None:
-        """final, best, start (step 0) and auc (the trapezoid area under the held-out accuracy curve `key`
-        over its step span, divided by that span: the curve's mean, comparable across run lengths)."""
+        """final (gspo_jax.analysis's rule: the mean of the last 3 evaluations after step 0), last (the
+        last evaluation), best, start (step 0) and auc (the trapezoid area under the held-out accuracy
+        curve `key` over its step span, divided by that span: the curve's mean)."""
         points = [(s, v) for s, v in zip(*series(self.records, key), strict=True) if math.isfinite(v)]
         if not points:
             return None
         steps, acc = [s for s, _ in points], [v for _, v in points]
         area = sum((b - a) * (x + y) / 2 for a, b, x, y in zip(steps, steps[1:], acc, acc[1:]))
         auc = area / (steps[-1] - steps[0]) if len(steps) > 1 else acc[0]
-        return dict(final=acc[-1], best=max(acc), start=acc[0] if steps[0] == 0 else math.nan, auc=auc)
+        start = acc[0] if steps[0] == 0 else math.nan
+        return dict(final=analysis.final_value(points), last=acc[-1], best=max(acc), start=start, auc=auc)
 
-    def collapsed(self) -> bool:
-        acc = self.accuracy()
-        dropped = acc is not None and acc["final"] < acc["start"] - COLLAPSE_DROP  # False for a NaN start
+    def collapse_key(self) -> str:
+        """The accuracy the collapse rule reads: the sampled one where logged, else the greedy one."""
+        return SAMPLED if self.values(SAMPLED) else ACCURACY
+
+    def collapsed(self, drop: float = COLLAPSE_DROP) -> bool:
+        acc = self.accuracy(self.collapse_key())
         non_finite = any(not math.isfinite(v) for k in LOSS_KEYS for v in series(self.records, k)[1])
-        return dropped or non_finite
+        start, final = (acc["start"], acc["final"]) if acc else (math.nan, math.nan)
+        return analysis.collapsed(start, final, non_finite, drop)
 
     def seconds(self) -> float | None:
         return sum(a["seconds"] for a in self.attempts) if self.attempts else None
@@ -95,13 +101,53 @@ def collect(sweep: sweeps.Sweep, root: Path) -> list[RunResult]:
     return results
 
 
+def _arms(results: Sequence[RunResult]) -> dict[str, list[RunResult]]:
+    arms: dict[str, list[RunResult]] = {}
+    for r in results:
+        arms.setdefault(r.run.arm, []).append(r)
+    return arms
+
+
+def analysis_text(sweep: sweeps.Sweep, root: str | Path) -> str:
+    """The report's analysis section alone (what `scripts/sweep.py --report` prints)."""
+    results = collect(sweep, Path(root))
+    return "\n".join(analysis_section(sweep, results, _arms(results))) + "\n"
+
+
+def compare(sweep: sweeps.Sweep, root: str | Path, other: str | Path) -> str:
+    """Each run finished in both workroots: its final greedy and sampled accuracy in each and the
+    difference (a rerun of a committed sweep into a fresh workroot against the committed one)."""
+    here = {r.run.name: r for r in collect(sweep, Path(root)) if r.status == "done"}
+    there = {r.run.name: r for r in collect(sweep, Path(other)) if r.status == "done"}
+    rows, diffs = [], []
+    for name in (n for n in here if n in there):
+        row = [f"`{name}`"]
+        for key in (ACCURACY, SAMPLED):
+            a, b = here[name].accuracy(key), there[name].accuracy(key)
+            if a and b:
+                diffs.append(a["final"] - b["final"])
+                row += [f"{100 * a['final']:.1f}", f"{100 * b['final']:.1f}", f"{100 * diffs[-1]:+.1f}"]
+            else:
+                row += ["—", "—", "—"]
+        rows.append(row)
+    lines = [f"# {sweep.name}: {root} against {other}", ""]
+    lines += _table(
+        ["run", *(f"{k} {c}" for k in ("greedy", "sampled") for c in ("here", "there", "difference"))], rows
+    )
+    if diffs:
+        worst = max(abs(d) for d in diffs)
+        lines += ["", f"{len(rows)} runs in both; final accuracies differ by {100 * worst:.1f} points at most, "]
+        lines[-1] += f"{100 * float(np.mean(np.abs(diffs))):.1f} on average."
+    else:
+        lines += ["", "No run is finished in both workroots."]
+    return "\n".join(lines) + "\n"
+
+
 def write_report(sweep: sweeps.Sweep, root: str | Path) -> Path:
     """Writes `<root>/report.md` and its figures (`<root>/report/*.png`); returns the report's path."""
     root = Path(root)
     results = collect(sweep, root)
-    arms: dict[str, list[RunResult]] = {}
-    for r in results:
-        arms.setdefault(r.run.arm, []).append(r)
+    arms = _arms(results)
     figures = _figures(arms, root / "report")
     text = _markdown(sweep, root, results, arms, figures)
     path = root / "report.md"
@@ -142,12 +188,89 @@ def _markdown(sweep, root: Path, results, arms, figures: Sequence[Path]) -> str:
         f"{len(results)} runs: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n) + ".",
         "",
     ]
+    lines += analysis_section(sweep, results, arms)
     lines += _arms_section(results, arms)
     lines += _diagnostics_section(results, arms)
     lines += _runs_section(results)
     if figures:
         lines += _figures_section(root, figures)
     return "\n".join(lines) + "\n"
+
+
+def analysis_section(sweep, results: Sequence[RunResult], arms: Mapping[str, list[RunResult]]) -> list[str]:
+    """The pre-registered analysis (gspo_jax.analysis): the sweep's own statement, then each arm's
+    final accuracy with its 95% interval, paired differences to the control arm, and collapse counts."""
+    lines = ["## Analysis", ""]
+    if sweep.analysis:
+        lines += [sweep.analysis, ""]
+    lines += [
+        f"The rule (gspo_jax/analysis.py): a run's final accuracy is the mean of its last {analysis.FINAL_EVALS} "
+        "held-out evaluations after step 0, greedy and sampled; the gain is that minus step 0. Per arm: mean ± sd "
+        "over its finished seeds and the 95% t-interval of the mean, in points.",
+        "",
+    ]
+    done = {arm: [r for r in rs if r.status == "done"] for arm, rs in arms.items()}
+    keys = [k for k in (ACCURACY, SAMPLED) if any(r.values(k) for r in results)]
+    rows = []
+    for arm, rs in done.items():
+        accs = {k: [a for a in (r.accuracy(k) for r in rs) if a] for k in keys}
+        row = [f"`{arm}`", str(len(rs))]
+        for k in keys:
+            final = analysis.interval([a["final"] for a in accs[k]])
+            gain = analysis.interval([a["final"] - a["start"] for a in accs[k]])
+            row += [final.text(signed=False) if final else "—", gain.text() if gain else "—"]
+        rows.append(row)
+    names = {ACCURACY: "greedy", SAMPLED: "sampled"}
+    lines += _table(["arm", "seeds", *(f"{names[k]} {c}" for k in keys for c in ("final", "gain"))], rows)
+    lines += _paired_section(sweep, done, keys)
+    return lines + _collapse_section(done)
+
+
+def _by_seed(rs: Sequence[RunResult], key: str) -> dict[int, float]:
+    out = {}
+    for r in rs:
+        acc = r.accuracy(key)
+        if acc is not None:
+            out[r.run.overrides.get(sweeps.SEED, 0)] = acc["final"]
+    return out
+
+
+def _paired_section(sweep, done: Mapping[str, list[RunResult]], keys: Sequence[str]) -> list[str]:
+    """Each arm's final accuracy minus its control's, per seed, and the 95% interval over seeds."""
+    if not sweep.control:
+        return []
+    lines = ["", "### Paired differences to the control arm", ""]
+    lines += ["Final accuracy (the rule above) minus the control arm's of the same seed, in points; per seed, then "]
+    lines[-1] += "mean ± sd and the 95% t-interval of the mean difference."
+    lines += [""]
+    rows = []
+    for arm, control in sweep.control.items():
+        row = [f"`{arm}`", f"`{control}`"]
+        for k in keys:
+            diffs, iv = analysis.paired(_by_seed(done.get(arm, []), k), _by_seed(done.get(control, []), k))
+            row += [", ".join(f"{100 * d:+.1f}" for d in diffs.values()) or "—", iv.text() if iv else "—"]
+        rows.append(row)
+    names = {ACCURACY: "greedy", SAMPLED: "sampled"}
+    header = ["arm", "control", *(f"{names[k]} {c}" for k in keys for c in ("per seed", "mean (95% CI)"))]
+    return lines + _table(header, rows)
+
+
+def _collapse_section(done: Mapping[str, list[RunResult]]) -> list[str]:
+    """How many runs collapse under the rule and under a looser and a stricter threshold."""
+    drops = analysis.COLLAPSE_DROPS
+    lines = ["", "### Collapse", ""]
+    lines += [
+        f"A run collapsed if its final accuracy is more than {100 * COLLAPSE_DROP:.0f} points below its step-0 "
+        f"accuracy, or a logged {' / '.join(f'`{k}`' for k in LOSS_KEYS)} is non-finite; the accuracy is the sampled "
+        f"one where the run logged it, else the greedy one. Counts at {', '.join(f'{100 * d:.0f}' for d in drops)} "
+        "points (looser, the rule, stricter).",
+        "",
+    ]
+    rows = []
+    for arm, rs in done.items():
+        read = sorted({"sampled" if r.collapse_key() == SAMPLED else "greedy" for r in rs}) or ["—"]
+        rows.append([f"`{arm}`", "/".join(read), *(f"{sum(r.collapsed(d) for r in rs)}/{len(rs)}" for d in drops)])
+    return lines + _table(["arm", "accuracy read", *(f"> {100 * d:.0f} points" for d in drops)], rows)
 
 
 def _arms_section(results: Sequence[RunResult], arms: Mapping[str, list[RunResult]]) -> list[str]:
@@ -157,10 +280,10 @@ def _arms_section(results: Sequence[RunResult], arms: Mapping[str, list[RunResul
         "## Arms",
         "",
         f"Per arm (the runs that differ only in seed), over its finished runs: mean ± sample standard deviation "
-        f"over seeds (one seed: the value alone). Accuracy is held-out greedy accuracy (`{ACCURACY}`); AUC is "
-        "the area under its curve divided by the step span (the curve's mean). A run **collapsed** if its final "
-        f"held-out accuracy is more than {COLLAPSE_DROP:.2f} below its step-0 (warm-start) accuracy, or a "
-        f"logged {' / '.join(f'`{k}`' for k in LOSS_KEYS)} is non-finite. Wall time: the run's attempts, summed.",
+        f"over seeds (one seed: the value alone). Accuracy is held-out greedy accuracy (`{ACCURACY}`); final is "
+        f"the mean of the last {analysis.FINAL_EVALS} evaluations after step 0; AUC is the area under its curve "
+        "divided by the step span (the curve's mean). Collapsed: by the rule above. Wall time: the run's "
+        "attempts, summed.",
         "",
     ]
     sampled = any(r.values(SAMPLED) for r in results)

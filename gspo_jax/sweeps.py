@@ -6,6 +6,13 @@ A sweep file defines
     BASE = "configs/gspo.py:tiny"                # the config file and its argument (the size)
     COMMON = {"train.num_iterations": 3}         # optional: overrides for every run, not in run names
     def runs(): return grid(algorithm=["grpo", "gspo"], seed=[0, 1])   # or yield override dicts
+    CONTROL = {"train.routing_replay": "none"}   # optional: each arm's control arm, for paired differences
+    ANALYSIS = "..."                             # optional: the analysis, stated before the sweep ran
+
+CONTROL is either a dict (an arm's control is the arm with those keys set to those values, a None value
+meaning the key unset) or a function from an arm's overrides (its own, with `algorithm`, without the
+seed) to its control's. The report (gspo_jax.sweep_report, by gspo_jax.analysis's rule) gives each arm's
+difference to its control per seed with a 95% interval, and prints ANALYSIS above its tables.
 
 Every key is a `--config.KEY=VALUE` override of scripts/train.py except `algorithm`, which picks the
 config file beside BASE's (`configs/<algorithm>.py`): an algorithm is its config file, not a key. A
@@ -84,6 +91,7 @@ class Run:
     arm: str  # the name without the seed: runs of one arm differ only in seed
     config: str  # scripts/train.py's --config, e.g. "configs/grpo.py:tiny"
     overrides: dict[str, Any]  # key -> value, each a --config.KEY=VALUE (COMMON's included)
+    arm_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)  # the run's own, `algorithm` in, seed out
 
     def train_args(self, workdir: str | os.PathLike) -> list[str]:
         """scripts/train.py's arguments for this run in `workdir`."""
@@ -98,6 +106,8 @@ class Sweep:
     name: str  # the sweep file's stem
     base: str
     runs: list[Run]
+    control: dict[str, str] = dataclasses.field(default_factory=dict)  # arm -> its control arm
+    analysis: str = ""  # the sweep file's ANALYSIS: how its results are read, written before it ran
 
 
 def _load_module(path: Path):
@@ -151,9 +161,39 @@ def load_sweep(path: str | os.PathLike, repo: str | os.PathLike) -> Sweep:
         if name in seen:
             raise SweepError(f"{path}: runs {seen[name]} and {index} are both named {name!r}")
         seen[name] = index
-        arm = run_name(config_file.stem, {k: v for k, v in overrides.items() if k != SEED})
-        runs.append(Run(index, name, arm, f"{config_file.as_posix()}{sep}{run_arg}", merged))
-    return Sweep(path.stem, base, runs)
+        own = {k: v for k, v in overrides.items() if k != SEED}
+        arm = run_name(config_file.stem, own)
+        runs.append(Run(index, name, arm, f"{config_file.as_posix()}{sep}{run_arg}", merged, own))
+    analysis = getattr(module, "ANALYSIS", "")
+    if not isinstance(analysis, str):
+        raise SweepError(f"{path}: ANALYSIS must be a string (how the sweep's results are read)")
+    control = _controls(path, runs, getattr(module, "CONTROL", None))
+    return Sweep(path.stem, base, runs, control, analysis.strip())
+
+
+def _controls(path: Path, runs: Sequence[Run], spec: Any) -> dict[str, str]:
+    """arm -> its control arm, from the sweep file's CONTROL (see the module docstring); {} without one."""
+    if spec is None:
+        return {}
+    if isinstance(spec, Mapping):
+        target = lambda own: {k: v for k, v in {**own, **spec}.items() if v is not None}  # noqa: E731
+    elif callable(spec):
+        target = spec
+    else:
+        raise SweepError(f"{path}: CONTROL must be a dict of overrides or a function of an arm's overrides")
+    arms = {r.arm: r.arm_overrides for r in runs}
+    out = {}
+    for arm, own in arms.items():
+        try:
+            want = dict(target(dict(own)))
+        except Exception as e:  # noqa: BLE001 - the user's function, named
+            raise SweepError(f"{path}: CONTROL failed on arm {arm!r}: {type(e).__name__}: {e}") from None
+        match = [a for a, o in arms.items() if o == want]
+        if match and match[0] != arm:
+            out[arm] = match[0]
+    if not out:
+        raise SweepError(f"{path}: CONTROL {spec!r} names no arm of this sweep as any arm's control")
+    return out
 
 
 def parse_shard(text: str) -> tuple[int, int]:

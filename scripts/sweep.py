@@ -3,6 +3,7 @@
     python scripts/sweep.py configs/sweeps/tiny.py --workroot /tmp/sw --parallel 2   # run (or resume) it
     python scripts/sweep.py configs/sweeps/tiny.py --workroot /tmp/sw --list         # names and commands
     python scripts/sweep.py configs/sweeps/tiny.py --workroot /tmp/sw --report       # -> /tmp/sw/report.md
+    python scripts/sweep.py configs/sweeps/tiny.py --workroot /tmp/sw --compare results/tiny  # a rerun vs the committed
     python scripts/sweep.py configs/sweeps/tiny.py --workroot /shared/sw --shard 0/4  # 1 of 4 hosts / array tasks
 
 Each run lives in WORKROOT/runs/<name>/ (its checkpoints, metrics.jsonl, log.txt, and .sweep.json, the
@@ -54,6 +55,9 @@ def main(argv=None) -> int:
     parser.add_argument("--shard", help="i/n: run only the runs whose index %% n == i (n hosts or array tasks)")
     parser.add_argument("--list", action="store_true", help="print each run's name, status and command; run none")
     parser.add_argument("--report", action="store_true", help="write WORKROOT/report.md for the whole sweep; run none")
+    parser.add_argument(
+        "--compare", metavar="OTHER", help="final accuracies of the runs done in WORKROOT and OTHER; run none"
+    )
     args = parser.parse_args(argv)
     if args.parallel < 1:
         return refuse(f"--parallel={args.parallel}: must be >= 1")
@@ -71,10 +75,19 @@ def main(argv=None) -> int:
             run_dir = sweeps.workdir(root, run)
             print(f"{run.name}\t{sweeps.status(run_dir)}\t{shlex.join([sys.executable, *run.train_args(run_dir)])}")
         return 0
-    if args.report:
-        from gspo_jax.sweep_report import write_report  # matplotlib only here
+    if args.compare:
+        from gspo_jax.sweep_report import compare
 
-        print(write_report(sweep, root))
+        if not Path(args.compare).is_dir():
+            return refuse(f"--compare {args.compare}: no such workroot")
+        print(compare(sweep, root, Path(args.compare)), end="")
+        return 0
+    if args.report:
+        from gspo_jax.sweep_report import analysis_text, write_report  # matplotlib only here
+
+        path = write_report(sweep, root)
+        print(analysis_text(sweep, root), end="")
+        print(f"\nfull report: {path}")
         return 0
     try:
         root.mkdir(parents=True, exist_ok=True)

@@ -103,6 +103,12 @@ def test_the_tiny_sweep_expands_to_four_named_runs_in_two_arms():
         ("BASE = 'configs/gspo.py'\ndef runs(): return grid(seed=[0])", "runs\\(\\) failed: NameError"),
         ("BASE = 1 +", "failed to load: SyntaxError"),
         ("BASE = 'configs/gspo.py:{algorithm}'\ndef runs(): return [{'seed': 0}]", "needs an 'algorithm' in every"),
+        (
+            "BASE = 'configs/gspo.py'\nCONTROL = {'lr': 1}\ndef runs(): return [{'seed': 0}]",
+            "names no arm of this sweep",
+        ),
+        ("BASE = 'configs/gspo.py'\nCONTROL = 3\ndef runs(): return [{'seed': 0}]", "CONTROL must be a dict"),
+        ("BASE = 'configs/gspo.py'\nANALYSIS = 3\ndef runs(): return [{'seed': 0}]", "ANALYSIS must be a string"),
     ],
 )
 def test_bad_sweep_files_are_refused_with_one_line_naming_the_problem(tmp_path, body, message):
@@ -403,9 +409,10 @@ def test_report_gives_greedy_and_sampled_gains_per_arm(tmp_path):
         (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         sweeps.record_attempt(run_dir, "done", rc=0, seconds=5.0, command=["x"], tail=[])
     report = sweep_report.write_report(sweep, root).read_text()
-    # greedy: start, final, best, AUC (0.475 and 0.325), gain (0.3 and 0.1); sampled: start, final, gain
-    greedy = "| `fake` | 2/2 | 0.45 ± 0.071 | 0.65 ± 0.21 | 0.65 ± 0.21 | 0.4 ± 0.11 | 0.2 ± 0.14 |"
-    assert greedy + " 0.25 ± 0.071 | 0.65 ± 0.071 | 0.4 ± 0.14 | 0/2 |" in report
+    # final: the mean of the evaluations after step 0 (0.55 and 0.35 greedy, 0.5 and 0.45 sampled); greedy:
+    # start, final, best, AUC (0.475 and 0.325), gain (0.05 and -0.05); sampled: start, final, gain (0.3, 0.15)
+    greedy = "| `fake` | 2/2 | 0.45 ± 0.071 | 0.45 ± 0.14 | 0.65 ± 0.21 | 0.4 ± 0.11 | 0 ± 0.071 |"
+    assert greedy + " 0.25 ± 0.071 | 0.475 ± 0.035 | 0.225 ± 0.11 | 0/2 |" in report
     assert "sampled gain" in report and "eval_accuracy_sampled" in report
     assert (root / "report" / "accuracy.png").exists()
 
@@ -437,3 +444,89 @@ def test_a_legend_never_sits_on_the_curves_it_names():
     ]
     fig, _ = sweep_report._figure(1, long)
     assert fig.get_size_inches()[1] > sweep_report._figure(1, short)[0].get_size_inches()[1]
+
+
+def _fake_sweep(tmp_path, body: str, curves: dict) -> tuple[sweeps.Sweep, Path]:
+    """A sweep file `body` over configs/fake.py whose runs' metrics are `curves[run name]`: (step, greedy,
+    sampled) rows, each run recorded done."""
+    repo, root = tmp_path / "repo", tmp_path / "root"
+    (repo / "configs").mkdir(parents=True)
+    (repo / "configs" / "fake.py").write_text("")
+    (repo / "s.py").write_text("BASE = 'configs/fake.py'\n" + textwrap.dedent(body))
+    sweep = sweeps.load_sweep(repo / "s.py", repo)
+    for run in sweep.runs:
+        run_dir = sweeps.workdir(root, run)
+        run_dir.mkdir(parents=True)
+        rows = [dict(step=s, eval_accuracy=g, eval_accuracy_sampled=x) for s, g, x in curves[run.name]]
+        (run_dir / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        sweeps.record_attempt(run_dir, "done", rc=0, seconds=1.0, command=["x"], tail=[])
+    return sweep, root
+
+
+def test_the_analysis_gives_intervals_paired_differences_and_collapses_at_three_thresholds(tmp_path):
+    """Hand-computed: final = mean of the last 3 evaluations after step 0; a t-interval over 3 seeds;
+    per-seed differences to the control arm; collapse read on the sampled accuracy at 5/10/20 points."""
+    body = """
+        ANALYSIS = "Stated first."
+        CONTROL = {"lr": None}
+        def runs(): return [{"lr": 2, "seed": s} for s in (0, 1, 2)] + [{"seed": s} for s in (0, 1, 2)]
+    """
+    base = lambda s: [(0, 0.5, 0.5), (10, 0.9, 0.9), (20, 0.4 + s / 10, 0.4 + s / 10), (30, 0.5, 0.5), (40, 0.6, 0.6)]
+    low = lambda s: [(0, 0.5, 0.5), (10, 0.5, 0.5), (20, 0.2, 0.2), (30, 0.3 - s / 10, 0.3 - s / 10), (40, 0.4, 0.4)]
+    curves = {f"fake-seed={s}": base(s) for s in range(3)} | {f"fake-lr=2-seed={s}": low(s) for s in range(3)}
+    sweep, root = _fake_sweep(tmp_path, body, curves)
+    assert sweep.control == {"fake-lr=2": "fake"} and sweep.analysis == "Stated first."
+    text = sweep_report.analysis_text(sweep, root)
+    assert text.startswith("## Analysis\n\nStated first.\n")
+    # base finals: mean(0.4+s/10, 0.5, 0.6) = 0.5, 0.5333, 0.5667: mean 53.3, sd 3.33, half-width
+    # 4.303 * 3.33 / sqrt(3) = 8.28
+    assert "| `fake` | 3 | 53.3 ± 3.3 (45.1 to 61.6) | +3.3 ± 3.3 (-4.9 to +11.6) |" in text
+    # low finals: mean(0.2, 0.3-s/10, 0.4) = 0.3, 0.2667, 0.2333; minus base: -20.0, -26.7, -33.3
+    assert "| `fake-lr=2` | `fake` | -20.0, -26.7, -33.3 | -26.7 ± 6.7 (-43.2 to -10.1) |" in text
+    # drops of the low arm: 20, 23.3, 26.7 points: all > 5 and > 10, two > 20
+    assert "| `fake-lr=2` | sampled | 3/3 | 3/3 | 2/3 |" in text
+    assert "| `fake` | sampled | 0/3 | 0/3 | 0/3 |" in text
+
+
+def test_analysis_rules_by_hand():
+    from gspo_jax import analysis
+
+    assert analysis.final_value([(0, 0.9), (10, 0.1), (20, 0.2), (30, 0.3), (40, 0.7)]) == pytest.approx(0.4)
+    assert analysis.final_value([(0, 0.9), (10, 0.3)]) == 0.3 and analysis.final_value([(0, 0.9)]) == 0.9
+    iv = analysis.interval([1.0, 2.0, 3.0, 4.0])  # mean 2.5, sd 1.291, t(3) 3.182: half-width 2.054
+    assert (iv.mean, round(iv.sd, 3), round(iv.lo, 3), round(iv.hi, 3)) == (2.5, 1.291, 0.446, 4.554)
+    assert analysis.t975(1) == 12.706 and analysis.t975(4) == 2.776 and analysis.t975(200) == 1.96
+    diffs, d = analysis.paired({0: 0.5, 1: 0.7, 2: float("nan")}, {0: 0.4, 1: 0.4, 3: 0.1})
+    assert diffs == pytest.approx({0: 0.1, 1: 0.3}) and d.n == 2
+    assert analysis.collapsed(0.5, 0.39, False) and not analysis.collapsed(0.5, 0.41, False)
+    assert analysis.collapsed(float("nan"), 0.0, True) and not analysis.collapsed(float("nan"), 0.0, False)
+
+
+def test_the_claims_table_in_results_md_is_the_one_the_committed_results_regenerate():
+    """docs/RESULTS.md's claims table is exactly what `python scripts/claims.py` builds from results/."""
+    from gspo_jax import claims
+
+    doc = (ROOT / "docs" / "RESULTS.md").read_text(encoding="utf-8")
+    assert claims.current(doc) == claims.table(ROOT), "run `python scripts/claims.py --write` and review the diff"
+
+
+def test_compare_gives_each_common_runs_final_accuracies_and_their_difference(tmp_path, capsys):
+    body = "def runs(): return [{'seed': s} for s in (0, 1)]\n"
+    curve = [(0, 0.5, 0.4), (10, 0.6, 0.5)]
+    sweep, root = _fake_sweep(tmp_path / "a", body, {"fake-seed=0": curve, "fake-seed=1": curve})
+    _, other = _fake_sweep(
+        tmp_path / "b", body, {"fake-seed=0": [(0, 0.5, 0.4), (10, 0.64, 0.5)], "fake-seed=1": curve}
+    )
+    text = sweep_report.compare(sweep, root, other)
+    assert "| `fake-seed=0` | 60.0 | 64.0 | -4.0 | 50.0 | 50.0 | +0.0 |" in text
+    assert "2 runs in both; final accuracies differ by 4.0 points at most, 1.0 on average." in text
+    repo = tmp_path / "a" / "repo"
+    sweep_script.REPO, saved = repo, sweep_script.REPO
+    try:
+        assert (
+            sweep_script.main([str(repo / "s.py"), "--workroot", str(root), "--compare", str(tmp_path / "nope")]) == 2
+        )
+        assert sweep_script.main([str(repo / "s.py"), "--workroot", str(root), "--compare", str(other)]) == 0
+    finally:
+        sweep_script.REPO = saved
+    assert "-4.0" in capsys.readouterr().out

@@ -1,0 +1,48 @@
+"""Rebuilds docs/RESULTS.md's claims table from the committed results/ (gspo_jax.claims).
+
+python scripts/claims.py            # print the table
+python scripts/claims.py --write    # replace the table in docs/RESULTS.md
+python scripts/claims.py --check    # exit 1 if docs/RESULTS.md's table differs from the regenerated one
+"""
+
+import argparse
+import difflib
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from gspo_jax import claims  # noqa: E402
+from gspo_jax.exit_codes import EXIT_DONE, EXIT_FAILED  # noqa: E402
+
+DOC = REPO / "docs" / "RESULTS.md"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--write", action="store_true", help="replace the table in docs/RESULTS.md")
+    mode.add_argument(
+        "--check", action="store_true", help="exit 1 if docs/RESULTS.md's table is not the regenerated one"
+    )
+    args = parser.parse_args(argv)
+    new = claims.table(REPO)
+    if args.write:
+        DOC.write_text(claims.replace(DOC.read_text(encoding="utf-8"), new), encoding="utf-8")
+        print(f"wrote the claims table to {DOC}")
+    elif args.check:
+        old = claims.current(DOC.read_text(encoding="utf-8"))
+        if old != new:
+            sys.stdout.writelines(
+                difflib.unified_diff(old.splitlines(True), new.splitlines(True), "docs/RESULTS.md", "regenerated")
+            )
+            return EXIT_FAILED
+        print("docs/RESULTS.md's claims table is the regenerated one")
+    else:
+        print(new, end="")
+    return EXIT_DONE
+
+
+if __name__ == "__main__":
+    sys.exit(main())
