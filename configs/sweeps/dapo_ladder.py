@@ -32,3 +32,8 @@ def runs():
         ladder = {**ladder, **rung}
         for seed in (0, 1, 2):
             yield {**ladder, "seed": seed}
+
+
+def CONTROL(arm: dict) -> dict:  # noqa: N802 - added after the sweep ran: each rung against the rung below
+    ladder = [{k: v for rung in RUNGS[: i + 1] for k, v in rung.items()} for i in range(len(RUNGS))]
+    return ladder[max(ladder.index(arm) - 1, 0)]

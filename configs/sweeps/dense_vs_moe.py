@@ -13,3 +13,7 @@ BASE = "configs/study/moe_drift.py:{algorithm}"
 
 def runs():
     return grid({"model.dense_layers": [(0,), (0, 1, 2, 3)]}, algorithm=["grpo", "gspo"], seed=[0, 1, 2])
+
+
+# Added after the sweep ran (gspo_jax/analysis.py's rule): the dense arm against the MoE of its objective.
+CONTROL = {"model.dense_layers": (0,)}

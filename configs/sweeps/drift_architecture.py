@@ -26,3 +26,7 @@ def runs():
         for arm in arms:
             for seed in (0, 1, 2):
                 yield {"algorithm": algorithm, **arm, "seed": seed}
+
+
+# Added after the sweep ran (gspo_jax/analysis.py's rule): each arm against the study point of its objective.
+CONTROL = dict.fromkeys(AXES)  # every axis key unset: the centre arm

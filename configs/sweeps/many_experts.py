@@ -17,5 +17,6 @@ BASE = "configs/study/many_experts.py:{algorithm}"
 def runs():
     return grid({"train.routing_replay": ["none", "R2", "R3"]}, algorithm=["grpo", "gspo"], seed=[0, 1, 2])
 
+
 # Added after the sweep ran (with gspo_jax/analysis.py's rule): each replay arm against no replay.
 CONTROL = {"train.routing_replay": "none"}

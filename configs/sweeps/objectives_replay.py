@@ -17,3 +17,7 @@ OBJECTIVES = ["grpo", "dapo", "gspo", "gspo_token", "cispo", "sapo", "gmpo", "ve
 
 def runs():
     return grid({"train.routing_replay": ["none", "R2", "R3"]}, algorithm=OBJECTIVES, seed=[0, 1, 2])
+
+
+# Added after the sweep ran (gspo_jax/analysis.py's rule): each replay arm against its objective without.
+CONTROL = {"train.routing_replay": "none"}
