@@ -7,9 +7,10 @@ frozen router without load-balancing and z losses (NeMo-RL's RL setting), and bo
 10 arms × 2 objectives × 3 seeds less GSPO's IcePop = 57 runs; ~3.5 hours at --parallel 2 on 2 cores (the many_experts
 runs took 400–760 s each). Ready for the study (issue 52), not yet run.
 
-The analysis, stated before the sweep runs: a run's final accuracy, greedy and sampled, is held-out
-accuracy at the last evaluation; each arm's gain over its warm start is reported as mean ± sd over
-seeds, and each arm against the same objective's no-replay arm as paired differences per seed.
+The analysis, stated before the sweep runs, is gspo_jax/analysis.py's rule: a run's final accuracy,
+greedy and sampled, is the mean of its last 3 held-out evaluations; each arm gives mean ± sd and a 95%
+interval over seeds, and its paired difference per seed to the same objective without any instrument
+(CONTROL), with its 95% interval.
 
     python scripts/sweep.py configs/sweeps/instruments.py --workroot results/instruments --parallel 2
     python scripts/sweep.py configs/sweeps/instruments.py --workroot results/instruments --report
@@ -31,6 +32,10 @@ ARMS = {
     "staleness_1": {"rollout.staleness": 1},
 }
 SEQUENCE_LEVEL = {"icepop"}  # arms a sequence-level ratio (GSPO) refuses
+
+
+def CONTROL(arm: dict) -> dict:  # noqa: N802 - the sweep file's CONTROL: the objective with nothing added
+    return {"algorithm": arm["algorithm"]}
 
 
 def runs():
