@@ -1,8 +1,10 @@
 """Where routing drift breaks token-level RL for the papers' reason: GRPO without replay in a deeper,
 finer MoE on long completions (configs/study/deep_moe.py: 8 MoE layers of 64 experts top-2, 40-token
 worked sums, bf16 sampler, 4 updates per rollout), against the same regime made on-policy (one update
-per rollout, float32 sampler) and a dense model of the same active size. Seed 0 of every cell first,
-then seeds 1-4 of the three cells the criterion reads. 19 runs of 60 iterations.
+per rollout, float32 sampler) and a dense model of the same active size. Stage 1: seed 0 at the
+config's lr 3e-4. Stage 2 (added after stage 1's seed 0, see ANALYSIS): seed 0 at lr 1e-4, then seeds
+1-4 of the three cells the criterion reads at lr 1e-4; stage 1's other cells last. 25 runs of 60
+iterations.
 
     python scripts/sweep.py configs/sweeps/mechanism_search.py --workroot results/mechanism_search --parallel 2
     python scripts/sweep.py configs/sweeps/mechanism_search.py --workroot results/mechanism_search --report
@@ -15,6 +17,7 @@ MORE_OFF_POLICY = {"algorithm": "grpo", "train.minibatches": 8}
 ON_POLICY = {"algorithm": "grpo", "train.minibatches": 1, "rollout.dtype": "float32"}
 DENSE = {"algorithm": "grpo", "model.dense_layers": tuple(range(9))}  # MLP width 256 = top-2 × 128: same active size
 GSPO = {"algorithm": "gspo"}
+GENTLE = {"train.learning_rate": 1e-4}  # stage 2
 
 ANALYSIS = """\
 Stated before the sweep ran (2026-11-27). Outcome: each run's final sampled held-out accuracy (the mean
@@ -26,7 +29,13 @@ each collapse in <= 1 of 5, and the paired difference off-policy - on-policy has
 If it does not, the report states the closest cell and the paired difference 5 seeds could detect: a
 95% interval excludes 0 when the mean difference exceeds t(4) * sd / sqrt(5) = 1.24 sd of the seeds'
 differences. Seeds 0-1 of `grpo-minibatches=8` and `gspo` are leads (more off-policyness; GSPO in the
-same cell), not part of the criterion.\
+same cell), not part of the criterion.
+
+Amended 2026-11-27, after stage 1's seed 0 (before any other run): at lr 3e-4 the on-policy control fell
+as the off-policy cell did (sampled 37% -> 15-19% by iteration 10-40, against 37% -> 19-21%), so the
+step, not the routing, breaks both there, as in the earlier regimes. Stage 2 repeats the cells at lr
+1e-4, and the criterion above is read at that rate (cells `grpo-learning_rate=0.0001`, its on-policy
+and dense versions), with seeds 1-4 there; stage 1's remaining cells run last, as leads.\
 """
 
 # Paired differences against the on-policy control (arms it does not map onto have none).
@@ -34,6 +43,9 @@ CONTROL = {"train.minibatches": 1, "rollout.dtype": "float32"}
 
 
 def runs():
-    out = [{**cell, "seed": 0} for cell in (OFF_POLICY, ON_POLICY, DENSE, MORE_OFF_POLICY, GSPO)]
-    out += [{**cell, "seed": 1} for cell in (OFF_POLICY, ON_POLICY, DENSE, MORE_OFF_POLICY, GSPO)]
-    return out + [{**cell, "seed": s} for s in (2, 3, 4) for cell in (OFF_POLICY, ON_POLICY, DENSE)]
+    out = [{**cell, "seed": 0} for cell in (OFF_POLICY, ON_POLICY)]  # stage 1, the criterion's pair
+    gentle = [{**cell, **GENTLE} for cell in (OFF_POLICY, ON_POLICY, MORE_OFF_POLICY, DENSE)]
+    out += [{**cell, "seed": 0} for cell in gentle]  # stage 2, seed 0
+    out += [{**cell, "seed": s} for s in (1, 2, 3, 4) for cell in gentle if cell is not gentle[2]]
+    out += [{**cell, "seed": 0} for cell in (DENSE, MORE_OFF_POLICY, GSPO)]  # stage 1's leads
+    return out + [{**cell, "seed": 1} for cell in (OFF_POLICY, ON_POLICY, DENSE, MORE_OFF_POLICY, GSPO)]
