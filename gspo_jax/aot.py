@@ -169,7 +169,7 @@ def compile_report(config, topology: str, programs: tuple[str, ...] = PROGRAMS) 
     built = config_lib.build(config, device_count=len(devices))
     hbm, peak = CHIPS[topology.split(":", 1)[0]]
     chips = (peak, len(devices))
-    mesh = sharding_lib.mesh_from_config(**built.mesh.axes(), devices=devices)
+    mesh = sharding_lib.make_mesh(**built.mesh.axes(), devices=devices)
     mesh_s = "×".join(f"{k}={v}" for k, v in mesh.shape.items() if v != 1) or "1"
     cfg = built.model
     graphdef, abstract = model_lib.abstract_model(cfg)

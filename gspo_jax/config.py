@@ -3,8 +3,8 @@ which turns it into the typed, validated pieces before any work starts.
 
 `base_config(algorithm, size)` lays out every key: the model, task and lengths of a size, the rollout,
 train and warm-start settings, the mesh; then the algorithm (`gspo_jax/algorithms.py`) fills in its
-loss, advantage scaling and rollout tricks. Sizes: `tiny` (tests), `default` (learns in minutes on 2
-CPU cores) or `qwen3_30b_a3b` (the TPU shape).
+loss, advantage scaling and rollout tricks. Sizes (`model_config.SIZES`, the model of each): `tiny`
+(tests), `default` (learns in minutes on 2 CPU cores) or `qwen3_30b_a3b` (the TPU shape).
 
 Tasks (`task_config`): `config.task.name` picks the task, and `config.task` holds one section per
 registered task (`tasks.TASKS`), each exactly that task's dataclass fields, at their defaults unless
@@ -20,6 +20,8 @@ eval split would be empty, a prompt bucket (`prompt_len`) shorter than the task'
 from __future__ import annotations
 
 import dataclasses
+import hashlib
+import json
 import math
 from pathlib import Path
 from typing import Any
@@ -28,35 +30,18 @@ import jax
 import ml_collections
 
 from gspo_jax import algorithms, hf, losses
-from gspo_jax import model as model_lib
 from gspo_jax.critic import CriticConfig
+from gspo_jax.model_config import SIZES, ModelConfig
 from gspo_jax.optimizer import OptimizerConfig
 from gspo_jax.rollout import RolloutConfig
 from gspo_jax.tasks import TASKS, check_fields, check_splits, load_tokenizer, make_task, task_fields
 from gspo_jax.validation import ConfigError, check, check_choice, check_int, is_int
 
-SIZES = ("tiny", "default", "qwen3_30b_a3b")
 OLD_LOGP_SOURCES = ("sampler", "trainer")
 # R2: π_old's routing recomputed by the trainer; R3: the sampler's expert ids; R3W: the sampler's ids and
 # their combine weights (weight replay).
 REPLAY = ("none", "R2", "R3", "R3W")
 SAMPLER_ROUTING = ("R3", "R3W")  # the replays of the sampler's routing
-
-_DEFAULT_MODEL = dict(
-    vocab_size=128,
-    embed_dim=128,
-    num_layers=4,
-    num_heads=4,
-    num_kv_heads=2,
-    head_dim=32,
-    mlp_dim=256,
-    num_experts=8,
-    top_k=2,
-    moe_mlp_dim=128,
-    dense_layers=(0,),
-    lb_loss_coef=0.01,
-    z_loss_coef=0.001,
-)
 
 
 def _dataclass_dict(dc) -> dict[str, Any]:
@@ -105,7 +90,7 @@ def _optimizer_keys(**values) -> dict[str, Any]:
 def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigDict:
     """The full config of `algorithm` (an `algorithms.ALGORITHMS` name) at `size`."""
     alg = algorithms.get(algorithm)
-    check_choice("config", "size", size, SIZES)
+    check_choice("config", "size", size, tuple(SIZES))
     c = ml_collections.ConfigDict()
     c.algorithm = alg.name
     c.seed = 0
@@ -113,10 +98,7 @@ def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigD
     # first iteration seconds sooner, each step as fast for small models; False for large ones on CPU.
     c.cpu_fast_compile = True
 
-    if size == "default":
-        c.model = _dataclass_dict(model_lib.ModelConfig(**_DEFAULT_MODEL))
-    else:
-        c.model = _dataclass_dict(model_lib.get_config(size))
+    c.model = _dataclass_dict(SIZES[size])
     c.model.dense_layers = tuple(c.model.dense_layers)
 
     # Sums of three one-digit numbers: the default size's warm start solves 35-50% of held-out prompts
@@ -276,7 +258,8 @@ class WarmStartConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
-    """`config.mesh`: each axis's size, -1 for the devices left (checked against them in `build`)."""
+    """`config.mesh`: each axis's size; in the config -1 for the devices left, which `build` resolves
+    against the devices (a built config's mesh has every size)."""
 
     data: int
     fsdp: int
@@ -284,8 +267,13 @@ class MeshConfig:
     tensor: int
 
     def axes(self) -> dict[str, int]:
-        """The sizes as `sharding.mesh_from_config`'s keyword arguments."""
+        """The sizes as `sharding.make_mesh`'s keyword arguments."""
         return dataclasses.asdict(self)
+
+    @property
+    def data_size(self) -> int:
+        """How many devices a batch is split over: data × fsdp × expert (`sharding.DATA_AXES`)."""
+        return self.data * self.fsdp * self.expert
 
 
 @dataclasses.dataclass(frozen=True)
@@ -310,7 +298,7 @@ class Built:
 
     algorithm: str
     seed: int
-    model: model_lib.ModelConfig
+    model: ModelConfig
     loss: losses.LossConfig
     rollout: RolloutConfig
     task: Any
@@ -325,6 +313,8 @@ class Built:
     hf_checkpoint: str  # "": a random init from `seed`
     tokenizer_path: str  # "": the built-in tokenizer
     cpu_fast_compile: bool  # XLA:CPU's fast-compile code generation for the step programs
+    config_json: str  # the config built from (`as_json`): a workdir's config.json, what a resume must match
+    warm_start_key: str  # the warm start's cache name (`warm_start_key`): runs that share it share the cache
 
     @property
     def batch_size(self) -> int:
@@ -351,7 +341,9 @@ def _typed(name: str, cls, values: dict):
 
 def build(c: ml_collections.ConfigDict, device_count: int | None = None) -> Built:
     """Validates the whole config and returns its typed pieces; raises `ConfigError` naming the key.
-    The mesh is checked against `device_count` devices (default: this process's, `jax.device_count()`)."""
+    The mesh is resolved against `device_count` devices (default: this runtime's, `jax.device_count()`,
+    which a mesh over several processes must cover whole). What a run needs of the config itself (its
+    JSON, its warm start's cache name) is taken here: nothing after the build reads the ConfigDict."""
     model_cfg = _model(c)
     loss_cfg = _typed("loss", losses.LossConfig, dict(c.loss))
     rollout_cfg = _typed("rollout", RolloutConfig, dict(c.rollout))
@@ -362,20 +354,7 @@ def build(c: ml_collections.ConfigDict, device_count: int | None = None) -> Buil
     check(not optimizer.freeze_router or model_cfg.num_moe_layers > 0, "config", "train.freeze_router", True, no_router)
     check(isinstance(c.cpu_fast_compile, bool), "config", "cpu_fast_compile", c.cpu_fast_compile, "True or False")
     batch = rollout_cfg.num_groups * rollout_cfg.group_size
-    check(
-        batch % (t.minibatches * t.microbatches) == 0,
-        "config",
-        "train.minibatches",
-        t.minibatches,
-        f"num_groups×group_size={batch} must be divisible by minibatches×microbatches",
-    )
-    check(
-        batch % t.drift_subsample == 0,
-        "config",
-        "train.drift_subsample",
-        t.drift_subsample,
-        f"a divisor of num_groups×group_size={batch}",
-    )
+    _check_update_splits(batch, t)
     w = _with_optimizer("warm_start", WarmStartConfig, dict(c.warm_start), nested=True)
     critic_cfg, critic_opt = _critic(c, model_cfg)
     experts = [("model", model_cfg)] + ([("critic.model", critic_cfg.model)] if critic_cfg else [])
@@ -389,9 +368,8 @@ def build(c: ml_collections.ConfigDict, device_count: int | None = None) -> Buil
         chunks,
         f"a divisor of num_groups×group_size={batch} (and of the drift batch, batch / train.drift_subsample)",
     )
-    mesh = _typed("mesh", MeshConfig, dict(c.mesh))
-    data = _check_mesh(
-        mesh,
+    mesh = _check_mesh(
+        _typed("mesh", MeshConfig, dict(c.mesh)),
         batch=batch,
         score_chunk=batch // chunks,
         critic_chunk=batch // critic_cfg.model.batch_chunks if critic_cfg else 0,  # 0: no critic
@@ -400,11 +378,12 @@ def build(c: ml_collections.ConfigDict, device_count: int | None = None) -> Buil
         warm_start_batch=w.batch_size if w.steps else 0,  # 0: no warm start, nothing to split
         sampler_threads=rollout_cfg.sampler_threads,
         devices=jax.device_count() if device_count is None else device_count,
+        processes=jax.process_count() if device_count is None else 1,
         num_experts={key: m.num_experts for key, m in experts if m.num_moe_layers},
     )
     _check_lengths(c, task, model_cfg, loss_cfg)
     micro = update_microbatches(
-        batch // t.minibatches, c.prompt_len + c.max_new_tokens, data, t.microbatches, t.microbatch_tokens
+        batch // t.minibatches, c.prompt_len + c.max_new_tokens, mesh.data_size, t.microbatches, t.microbatch_tokens
     )
     return Built(
         algorithm=c.algorithm,
@@ -424,16 +403,62 @@ def build(c: ml_collections.ConfigDict, device_count: int | None = None) -> Buil
         hf_checkpoint=c.hf_checkpoint,
         tokenizer_path=c.tokenizer_path,
         cpu_fast_compile=c.cpu_fast_compile,
+        config_json=as_json(c),
+        warm_start_key=warm_start_key(c),
     )
 
 
-def _model(c: ml_collections.ConfigDict) -> model_lib.ModelConfig:
+def as_json(c: ml_collections.ConfigDict) -> str:
+    """The config as a workdir records it (`config.json`)."""
+    return c.to_json_best_effort(indent=2)
+
+
+def warm_start_key(c: ml_collections.ConfigDict) -> str:
+    """A hash of what the warm start depends on: model, task, its own settings, seed, lengths and how its
+    step is compiled (`cpu_fast_compile`: XLA:CPU's two code generators round differently)."""
+    ws = {k: v for k, v in c.warm_start.items() if k != "cache_dir"}
+    blob = json.dumps(
+        dict(
+            model=c.model.to_dict(),
+            task=task_settings(c),
+            ws=ws,
+            seed=c.seed,
+            P=c.prompt_len,
+            N=c.max_new_tokens,
+            fast_compile=c.cpu_fast_compile,
+        ),
+        sort_keys=True,
+        default=str,
+    )
+    return hashlib.sha256(blob.encode()).hexdigest()[:12]
+
+
+def _check_update_splits(batch: int, t: TrainConfig) -> None:
+    """The rollout's `batch` sequences against what the update splits it into: minibatches ×
+    microbatches, and the drift measurement's subsample."""
+    check(
+        batch % (t.minibatches * t.microbatches) == 0,
+        "config",
+        "train.minibatches",
+        t.minibatches,
+        f"num_groups×group_size={batch} must be divisible by minibatches×microbatches",
+    )
+    check(
+        batch % t.drift_subsample == 0,
+        "config",
+        "train.drift_subsample",
+        t.drift_subsample,
+        f"a divisor of num_groups×group_size={batch}",
+    )
+
+
+def _model(c: ml_collections.ConfigDict) -> ModelConfig:
     """`config.model` typed; with `hf_checkpoint`, the checkpoint's architecture and `config.model`'s
     choice of what Hugging Face does not describe. The local paths (`hf_checkpoint`, `tokenizer_path`)
     must exist: nothing is downloaded at run time."""
     m = dict(c.model)
     m["dense_layers"] = tuple(m.get("dense_layers", ()))
-    model_cfg = _typed("model", model_lib.ModelConfig, m)
+    model_cfg = _typed("model", ModelConfig, m)
     for key, what in (
         ("hf_checkpoint", "a local Hugging Face checkpoint directory"),
         ("tokenizer_path", "a local tokenizer.json or directory"),
@@ -452,7 +477,7 @@ def _model(c: ml_collections.ConfigDict) -> model_lib.ModelConfig:
 
 
 def _check_lengths(
-    c: ml_collections.ConfigDict, task: Any, model_cfg: model_lib.ModelConfig, loss_cfg: losses.LossConfig
+    c: ml_collections.ConfigDict, task: Any, model_cfg: ModelConfig, loss_cfg: losses.LossConfig
 ) -> None:
     """What the lengths must hold: the prompt bucket the task's longest prompt (tokenized as the run
     will), the vocabulary the built-in tokenizer's, Dr.GRPO's constant the max completion length."""
@@ -531,9 +556,7 @@ def update_microbatches(rows: int, seq_len: int, data: int, at_least: int, max_t
     return fits[0] if fits else counts[-1]
 
 
-def _critic(
-    c: ml_collections.ConfigDict, policy: model_lib.ModelConfig
-) -> tuple[CriticConfig | None, OptimizerConfig | None]:
+def _critic(c: ml_collections.ConfigDict, policy: ModelConfig) -> tuple[CriticConfig | None, OptimizerConfig | None]:
     """`config.critic` typed, its trunk's architecture resolved (the policy's, or `critic.model`), and
     its optimizer; (None, None) without a critic."""
     has = "critic" in c
@@ -557,7 +580,7 @@ def _critic(
     if section.get("trunk") == "separate":
         m = dict(section["model"])
         m["dense_layers"] = tuple(m.get("dense_layers", ()))
-        model = _typed("critic.model", model_lib.ModelConfig, m)
+        model = _typed("critic.model", ModelConfig, m)
         check(
             model.vocab_size == policy.vocab_size,
             "config",
@@ -581,10 +604,11 @@ def _check_mesh(
     warm_start_batch: int,
     sampler_threads: int = 1,
     devices: int,
+    processes: int = 1,
     num_experts: dict[str, int],
-) -> int:
-    """Axis sizes against the devices present, and the data axes against every batch they split;
-    returns how many devices the batch is split over (data × fsdp × expert)."""
+) -> MeshConfig:
+    """Axis sizes against the devices present (on several processes the mesh must cover them all), and
+    the data axes against every batch they split; returns the mesh with -1 resolved."""
     sizes = mesh.axes()
     for k, v in sizes.items():
         check(is_int(v) and (v >= 1 or v == -1), "config", f"mesh.{k}", v, "an int >= 1, or -1 for the devices left")
@@ -621,4 +645,9 @@ def _check_mesh(
                 sizes["expert"],
                 f"a divisor of {key}.num_experts={n}",
             )
-    return data
+    if processes > 1 and on != devices:
+        raise ConfigError(
+            f"config.mesh: {mesh.axes()} covers {on} of the {devices} devices of "
+            f"{processes} processes; a multi-process mesh must use them all (set one axis to -1)"
+        )
+    return MeshConfig(**sizes)

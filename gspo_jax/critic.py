@@ -23,6 +23,7 @@ from gspo_jax import metrics as metrics_lib
 from gspo_jax import model as model_lib
 from gspo_jax import optimizer as optimizer_lib
 from gspo_jax.metrics import Count, Max, Mean, Min
+from gspo_jax.model_config import ModelConfig
 from gspo_jax.validation import check, check_choice, check_number
 
 Array = jax.Array
@@ -34,7 +35,7 @@ class CriticConfig:
     """The critic and the advantage estimator it feeds (hashable: a static jit argument)."""
 
     trunk: str = "policy"  # TRUNKS: a copy of the policy's trunk, or a separate model (`model`)
-    model: model_lib.ModelConfig | None = None  # the trunk's architecture (`config.build` resolves it)
+    model: ModelConfig | None = None  # the trunk's architecture (`config.build` resolves it)
     gamma: float = 1.0  # discount
     lam: float = 0.95  # GAE's λ
     kl_reward_coef: float = 0.0  # β of the per-token penalty −β·(log π_old − log π_ref) folded into the reward
@@ -55,7 +56,7 @@ class Critic(nnx.Module):
     """A decoder trunk (no LM head) and a linear value head on its final hidden states. The head starts
     at zero, so the first values are 0 and the first update moves the head alone."""
 
-    def __init__(self, cfg: model_lib.ModelConfig, *, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
         self.trunk = model_lib.Transformer(dataclasses.replace(cfg, tie_embeddings=True), rngs=rngs)  # no lm_head
         zeros = nnx.initializers.zeros
         self.value_head = sharding.param(rngs, zeros, (cfg.embed_dim,), ("embed",), jnp.float32)
@@ -85,16 +86,16 @@ class CriticStep:
     value_clip: float
 
 
-def abstract(cfg: model_lib.ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
+def abstract(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, abstract state) of `Critic(cfg)`, allocating nothing."""
     return nnx.split(nnx.eval_shape(lambda: Critic(cfg, rngs=nnx.Rngs(0))))
 
 
-def _random_state(cfg: model_lib.ModelConfig, seed: Array) -> nnx.State:
+def _random_state(cfg: ModelConfig, seed: Array) -> nnx.State:
     return nnx.split(Critic(cfg, rngs=nnx.Rngs(jax.random.key(seed))))[1]
 
 
-def _from_policy(cfg: model_lib.ModelConfig, policy_params: nnx.State) -> nnx.State:
+def _from_policy(cfg: ModelConfig, policy_params: nnx.State) -> nnx.State:
     critic = Critic(cfg, rngs=nnx.Rngs(0))  # its random trunk is overwritten: dead code to XLA
     nnx.update(critic.trunk, nnx.State({k: v for k, v in policy_params.items() if k != "lm_head"}))
     return nnx.split(critic)[1]

@@ -9,26 +9,27 @@ forward, so a train step is 6 × parameters × tokens plus 12 × layers × B × 
 import dataclasses
 
 from gspo_jax import model as model_lib
+from gspo_jax.model_config import ModelConfig
 
 
-def matmul_params(cfg: model_lib.ModelConfig) -> int:
+def matmul_params(cfg: ModelConfig) -> int:
     """Active parameters that take part in a matmul per token (embedding lookups excluded)."""
     _, active = model_lib.count_params(cfg)
     return active - (0 if cfg.tie_embeddings else cfg.vocab_size * cfg.embed_dim)
 
 
-def forward_flops(cfg: model_lib.ModelConfig, B: int, T: int) -> float:
+def forward_flops(cfg: ModelConfig, B: int, T: int) -> float:
     """One forward over B × T tokens (causal attention counted in full, as is usual)."""
     attention = 4 * cfg.num_layers * B * T * T * cfg.num_heads * cfg.head_dim
     return 2 * matmul_params(cfg) * B * T + attention
 
 
-def train_flops(cfg: model_lib.ModelConfig, B: int, T: int) -> float:
+def train_flops(cfg: ModelConfig, B: int, T: int) -> float:
     """Forward and backward over B × T tokens: three forwards."""
     return 3 * forward_flops(cfg, B, T)
 
 
-def critic_train_flops(cfg: model_lib.ModelConfig, B: int, T: int) -> float:
+def critic_train_flops(cfg: ModelConfig, B: int, T: int) -> float:
     """PPO's critic update over B × T tokens (`gspo_jax/critic.py`): its trunk without an LM head and a
     value head of width 1, forward and backward."""
     untied = dataclasses.replace(cfg, tie_embeddings=False)
@@ -37,7 +38,7 @@ def critic_train_flops(cfg: model_lib.ModelConfig, B: int, T: int) -> float:
     return 3 * (2 * trunk * B * T + attention)
 
 
-def sample_flops(cfg: model_lib.ModelConfig, B: int, P: int, C: int) -> float:
+def sample_flops(cfg: ModelConfig, B: int, P: int, C: int) -> float:
     """Prefill of P prompt tokens, then C decoded tokens each attending over the P + C cache slots."""
     decode = 2 * matmul_params(cfg) * B * C + 4 * cfg.num_layers * B * C * (P + C) * cfg.num_heads * cfg.head_dim
     return forward_flops(cfg, B, P) + decode

@@ -34,6 +34,7 @@ from safetensors.numpy import save_file
 
 from gspo_jax import model as model_lib
 from gspo_jax import sharding
+from gspo_jax.model_config import ModelConfig
 
 MODEL_TYPES = ("qwen3_moe", "mixtral")
 ARCHITECTURES = {"qwen3_moe": "Qwen3MoeForCausalLM", "mixtral": "MixtralForCausalLM"}
@@ -57,7 +58,7 @@ SAFETENSORS_INDEX = "model.safetensors.index.json"
 _ROPE_THETA_DEFAULT = {"qwen3_moe": 10_000.0, "mixtral": 1_000_000.0}  # transformers 5 defaults
 
 # A parameter's path: in the NNX state, e.g. ("stacks", 1, "layer", "mlp", "router") for a run of stacked
-# layers; per layer, as HF checkpoints name them, e.g. ("layers", 0, "mlp", "router") (`model.stacked_to_layers`).
+# layers; per layer, as HF checkpoints name them, e.g. ("layers", 0, "mlp", "router") (`stacked_to_layers`).
 ParamPath = tuple[str | int, ...]
 
 
@@ -106,7 +107,7 @@ def _param_dtype(hf: dict) -> str:
     return "bfloat16" if name == "bfloat16" else "float32"
 
 
-def config_from_hf(hf_config: Mapping | str | os.PathLike, **overrides) -> model_lib.ModelConfig:
+def config_from_hf(hf_config: Mapping | str | os.PathLike, **overrides) -> ModelConfig:
     """`ModelConfig` from an HF config dict, config.json or checkpoint directory.
 
     `overrides` replace fields HF does not describe (dispatch, dtype, z_loss_coef, ...).
@@ -189,10 +190,10 @@ def config_from_hf(hf_config: Mapping | str | os.PathLike, **overrides) -> model
             dense_layers=(),
         )
     fields.update(overrides)
-    return model_lib.ModelConfig(**fields)
+    return ModelConfig(**fields)
 
 
-def config_to_hf(cfg: model_lib.ModelConfig, model_type: str = "qwen3_moe", *, extra: Mapping | None = None) -> dict:
+def config_to_hf(cfg: ModelConfig, model_type: str = "qwen3_moe", *, extra: Mapping | None = None) -> dict:
     """The HF config.json dict for `cfg` (transformers 5 names, readable by v4 too).
 
     `extra` is merged last (e.g. bos/eos token ids, max_position_embeddings). Raises
@@ -257,9 +258,7 @@ def config_to_hf(cfg: model_lib.ModelConfig, model_type: str = "qwen3_moe", *, e
 RUN_FIELDS = ("z_loss_coef", "dispatch", "dtype", "scan_layers", "remat", "logprob_chunk", "batch_chunks")
 
 
-def exportable_config(
-    cfg: model_lib.ModelConfig, model_type: str = "qwen3_moe", *, extra: Mapping | None = None
-) -> dict:
+def exportable_config(cfg: ModelConfig, model_type: str = "qwen3_moe", *, extra: Mapping | None = None) -> dict:
     """`config_to_hf(cfg, model_type, extra=extra)`, checked to read back (`config_from_hf`) as the same
     model: ValueError naming the first `ModelConfig` field that would come back different."""
     hf = config_to_hf(cfg, model_type, extra=extra)
@@ -304,9 +303,7 @@ class _Tensors:
         return x
 
 
-def hf_to_params(
-    tensors: Mapping[str, Any], cfg: model_lib.ModelConfig, model_type: str
-) -> dict[ParamPath, np.ndarray]:
+def hf_to_params(tensors: Mapping[str, Any], cfg: ModelConfig, model_type: str) -> dict[ParamPath, np.ndarray]:
     """Our parameters (path -> array in our layout) from HF tensors (name -> [out, in] arrays).
 
     Raises ValueError for a missing, misshapen or unused tensor.
@@ -361,9 +358,7 @@ def hf_to_params(
     return out
 
 
-def params_to_hf(
-    params: Mapping[ParamPath, np.ndarray], cfg: model_lib.ModelConfig, model_type: str
-) -> dict[str, np.ndarray]:
+def params_to_hf(params: Mapping[ParamPath, np.ndarray], cfg: ModelConfig, model_type: str) -> dict[str, np.ndarray]:
     """HF tensors with the classic per-expert names `save_pretrained` writes, from our parameters."""
     D = cfg.embed_dim
     c = np.ascontiguousarray
@@ -465,8 +460,42 @@ def state_to_params(state: nnx.State) -> dict[ParamPath, np.ndarray]:
     return {sharding.path_key(p): np.asarray(jax.device_get(v.get_value())) for p, v in leaves}
 
 
+def stacked_to_layers(cfg: ModelConfig, params: dict) -> dict:
+    """Per-layer view of a {path: array} dict: ("stacks", s, "layer", *rest) [n, ...] becomes
+    ("layers", i, *rest) for each of the stack's layers i (how HF checkpoints name them)."""
+    out = {}
+    for path, x in params.items():
+        if path[:1] != ("stacks",):
+            out[path] = x
+            continue
+        first, n = cfg.layer_runs[path[1]]
+        for j in range(n):
+            out[("layers", first + j) + tuple(path[3:])] = x[j]
+    return out
+
+
+def layers_to_stacked(cfg: ModelConfig, params: dict) -> dict:
+    """Inverse of `stacked_to_layers`: stacks each run's per-layer arrays (numpy or jax)."""
+    out, per = {}, {}
+    for path, x in params.items():
+        if path[:1] == ("layers",):
+            per[path] = x
+        else:
+            out[path] = x
+    for s, (first, n) in enumerate(cfg.layer_runs):
+        for rest in sorted({p[2:] for p in per if first <= p[1] < first + n}):
+            xs = [per.pop(("layers", first + j) + rest, None) for j in range(n)]
+            missing = [first + j for j, x in enumerate(xs) if x is None]
+            if missing:
+                raise ValueError(f"layers_to_stacked: no {rest} for layers {missing}")
+            out[("stacks", s, "layer") + rest] = (jnp if isinstance(xs[0], jax.Array) else np).stack(xs)
+    if per:
+        raise ValueError(f"layers_to_stacked: parameters of no layer run: {sorted(per)[:5]}")
+    return out
+
+
 def params_to_state(
-    cfg: model_lib.ModelConfig, params: Mapping[ParamPath, np.ndarray], mesh: Mesh | None = None
+    cfg: ModelConfig, params: Mapping[ParamPath, np.ndarray], mesh: Mesh | None = None
 ) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, state) of `Transformer(cfg)` holding `params`, each cast to cfg.param_dtype.
 
@@ -503,7 +532,7 @@ def load_hf_checkpoint(
     dtype: str | None = None,
     dispatch: str | None = None,
     mesh: Mesh | None = None,
-) -> tuple[model_lib.ModelConfig, nnx.GraphDef, nnx.State]:
+) -> tuple[ModelConfig, nnx.GraphDef, nnx.State]:
     """(cfg, graphdef, state) from an HF Qwen3-MoE / Mixtral checkpoint directory.
 
     `dtype` ('float32' | 'bfloat16') sets parameter and compute dtype; default: the
@@ -522,14 +551,14 @@ def load_hf_checkpoint(
     cfg = config_from_hf(hf, **overrides)
     with contextlib.ExitStack() as stack:
         handles = [stack.enter_context(safe_open(f, framework="numpy")) for f in _safetensors_files(directory)]
-        params = model_lib.layers_to_stacked(cfg, hf_to_params(_LazyTensors(handles), cfg, hf["model_type"]))
+        params = layers_to_stacked(cfg, hf_to_params(_LazyTensors(handles), cfg, hf["model_type"]))
     graphdef, state = params_to_state(cfg, params, mesh)
     return cfg, graphdef, state
 
 
 def save_hf_checkpoint(
     directory: str | os.PathLike,
-    cfg: model_lib.ModelConfig,
+    cfg: ModelConfig,
     state: nnx.State,
     model_type: str = "qwen3_moe",
     *,
@@ -544,7 +573,7 @@ def save_hf_checkpoint(
     """
     directory = os.fspath(directory)
     hf = config_to_hf(cfg, model_type, extra=extra_config)
-    tensors = params_to_hf(model_lib.stacked_to_layers(cfg, state_to_params(state)), cfg, model_type)
+    tensors = params_to_hf(stacked_to_layers(cfg, state_to_params(state)), cfg, model_type)
     os.makedirs(directory, exist_ok=True)
     for stale in [SAFETENSORS_INDEX] + [f for f in os.listdir(directory) if f.endswith(".safetensors")]:
         if os.path.exists(os.path.join(directory, stale)):

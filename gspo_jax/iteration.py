@@ -50,7 +50,7 @@ def rl_iteration(
     metrics.update(mismatch_metrics)
     del behaviour  # the lag's oldest copy is freed once its work is done: k copies at most
     if programs.estimate is not None:  # PPO: the critic's values and GAE replace the group advantages
-        rewards = jax.device_put(batch.rewards, sharding_lib.batch_sharding(programs.mesh, 1))
+        rewards = jax.device_put(batch.rewards, sharding_lib.field_sharding(programs.mesh, "rewards"))
         full, estimated = programs.estimate(state.critic.params, full, rewards)  # host rewards, the same everywhere
         metrics.update({k: float(v) for k, v in jax.device_get(estimated).items()})
     t_logprobs = time.perf_counter() - t0 - t_rollout  # synchronised: metrics are on the host
@@ -76,7 +76,7 @@ def rl_iteration(
             step_metrics.append(step)
             if scored is not None:  # the only update: its forward scored π_old, in the minibatch's order
                 scored = programs.take_scored(scored, np.argsort(idx))
-                full = full.replace(old_logp=scored.logp, topk=scored.topk)
+                full = full.replace(**scored._asdict())
     if programs.on_policy and t.routing_replay not in config_lib.SAMPLER_ROUTING:  # π_old's forward, routed live
         metrics.update(mismatch.sampler_mismatch(batch, full.old_logp, full.topk))
     host = [jax.tree.map(float, s) for s in jax.device_get(step_metrics)]  # float64 from here
@@ -114,10 +114,10 @@ def prepare_batch(programs: Programs, params, batch, t: TrainConfig, ref_params)
     `programs.on_policy` the trainer's log-probs (and, but under R3 / R3W, its routing) are left for the
     update's own forward to fill in. For RSPO off that path, π_old's scoring forward also gives its router
     log-probs at `topk` (`programs.score_router`)."""
-    b2 = programs.batch_shardings.tokens
-    tokens = jax.device_put(batch.tokens, b2)
-    positions = jax.device_put(_positions(batch.prompt_mask, batch.completion_mask), b2)
-    sampler_logp, r3 = batch.old_logp, t.routing_replay in config_lib.SAMPLER_ROUTING
+    sh = programs.batch_shardings
+    tokens = jax.device_put(batch.tokens, sh.tokens)
+    positions = jax.device_put(_positions(batch.prompt_mask, batch.completion_mask), sh.positions)
+    sampler_logp, r3 = batch.sampler_logp, t.routing_replay in config_lib.SAMPLER_ROUTING
     gates = batch.gates if t.routing_replay == "R3W" else None
     logp_live = old_router = None
     measured: dict[str, float] = {}
@@ -147,7 +147,7 @@ def prepare_batch(programs: Programs, params, batch, t: TrainConfig, ref_params)
     critic = programs.estimate is not None  # its fields are placeholders for the critic's estimate
     if not critic:
         given["advantages"] = batch.advantages  # host, the same on every process
-    return jax.device_put(TrainBatch.filled(critic, **given), programs.batch_shardings), measured
+    return jax.device_put(TrainBatch.filled(critic, **given), sh), measured
 
 
 @jax.jit

@@ -190,7 +190,7 @@ def sampler_mismatch(batch, trainer_logp_BT: Array, trainer_topk_BLTK: Array) ->
     """`mismatch_metrics` of a rollout's (`rollout.RolloutBatch`) sampler log-probs and routing against
     the trainer's, as `mismatch_*` (the largest |δ| keeps its older name, `old_logp_max_diff`); reduced
     on the mesh, so only scalars reach the host."""
-    out = _mismatch(batch.old_logp, trainer_logp_BT, batch.completion_mask, batch.topk, trainer_topk_BLTK)
+    out = _mismatch(batch.sampler_logp, trainer_logp_BT, batch.completion_mask, batch.topk, trainer_topk_BLTK)
     return {("old_logp_max_diff" if k == "logp_abs_max" else f"mismatch_{k}"): float(v) for k, v in out.items()}
 
 

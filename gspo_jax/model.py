@@ -1,12 +1,11 @@
 """Decoder-only transformer policy (Flax NNX), dense or sparse-MoE feed-forward per layer.
 
-Qwen3-MoE / Mixtral shaped: RMSNorm, RoPE (HF rotate_half), grouped-query attention
-with optional per-head q/k RMSNorm, SwiGLU FFN or `moe.MoE`, KV cache. Each run of consecutive
+Qwen3-MoE / Mixtral shaped (`model_config.ModelConfig`): RMSNorm, RoPE (HF rotate_half), grouped-query
+attention with optional per-head q/k RMSNorm, SwiGLU FFN or `moe.MoE`, KV cache. Each run of consecutive
 layers of one kind is a `Stack`: parameters stacked on a leading "layers" axis and run by `lax.scan`,
-so trace and compile time do not grow with depth (`stacked_to_layers` gives the per-layer view HF
-checkpoints use). Used
-functionally: `graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))` once,
-then the pure `apply(graphdef, state, ...)` under `jax.jit`.
+so trace and compile time do not grow with depth (`hf.stacked_to_layers` gives the per-layer view HF
+checkpoints use). Used functionally: `graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))`
+once, then the pure `apply(graphdef, state, ...)`, `logprobs` or `score` under `jax.jit`.
 
 Positions are int32 [B, T]; a negative position marks a padding token: nothing attends
 to it and its own output is finite but meaningless. Router choices come back batch-first,
@@ -28,204 +27,14 @@ from flax import nnx
 from jax.experimental.layout import Layout, with_layout_constraint
 
 from gspo_jax import compiles, flash, moe, router_shift, sharding
-from gspo_jax.losses import sequence_logprobs_from_hidden
-from gspo_jax.validation import check, check_choice, check_int, check_number
+from gspo_jax.logprobs import sequence_logprobs_from_hidden
+from gspo_jax.model_config import DTYPES, REMAT_POLICIES, ModelConfig
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 # The residual stream's logical axes: sequences split over every data axis (`sharding.DATA_AXES`),
 # features whole, between layers and at the LM head.
 ACTIVATION = ("batch", None, None)
 # Large finite negative for masked attention scores: a fully masked row stays finite.
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-
-
-# What a layer keeps for the backward pass: "none" keeps every intermediate; "full" keeps only the
-# layer's input and recomputes the rest; "save_dots" keeps matmul outputs; "save_dots_no_batch" keeps
-# those without batch dimensions (projections, not attention scores).
-REMAT_POLICIES = {
-    "none": None,
-    "full": jax.checkpoint_policies.nothing_saveable,
-    "save_dots": jax.checkpoint_policies.checkpoint_dots,
-    "save_dots_no_batch": jax.checkpoint_policies.checkpoint_dots_with_no_batch_dims,
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """Architecture of the policy. Validated at construction (ValueError names the field)."""
-
-    vocab_size: int = 128
-    embed_dim: int = 64
-    num_layers: int = 2
-    num_heads: int = 4
-    num_kv_heads: int = 2
-    head_dim: int = 16
-    qk_norm: bool = True
-    rope_theta: float = 10_000.0
-    rms_eps: float = 1e-6
-    mlp_dim: int = 128  # dense FFN width (layers that are not MoE)
-    tie_embeddings: bool = False
-    # MoE
-    num_experts: int = 0  # 0: every layer dense
-    top_k: int = 2
-    moe_mlp_dim: int = 32
-    renormalize_topk: bool = True
-    moe_every: int = 1  # like Qwen3-MoE decoder_sparse_step
-    dense_layers: tuple[int, ...] = ()  # like Qwen3-MoE mlp_only_layers
-    lb_loss_coef: float = 0.0
-    z_loss_coef: float = 0.0
-    # "auto": "sparse" on CPUs, "grouped" on GPUs and TPUs (`moe.resolve_dispatch`); or one of those,
-    # "dense" (every expert on every token) or "ragged" (`lax.ragged_dot` under autodiff).
-    dispatch: str = "auto"
-    param_dtype: str = "float32"
-    dtype: str = "float32"  # compute dtype; router, softmax and logits are float32 regardless
-    # Layers of one kind are stacked and run by `lax.scan`: trace and compile time stay flat in depth.
-    # scan_layers=False unrolls the same stacked layers (e.g. for XLA's per-op cost analysis).
-    scan_layers: bool = True
-    remat: str = "none"  # per-layer rematerialisation in the backward pass: one of REMAT_POLICIES
-    # Log-probs (scoring and the loss) run the LM head over this many positions at a time, so [B, T, V]
-    # float32 logits never exist at once (`losses.sequence_logprobs_from_hidden`); 0: all at once.
-    logprob_chunk: int = 0
-    # The scoring forward (π_old, π_ref, drift: `score`) and the sampler's prefill run the batch as this
-    # many chunks, one after another, so their activations are a chunk's; 1: the whole batch at once.
-    batch_chunks: int = 1
-
-    def __post_init__(self):
-        object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
-
-        own = "ModelConfig"
-        for f in ("vocab_size", "embed_dim", "num_layers", "num_heads", "num_kv_heads", "head_dim", "moe_every"):
-            check_int(own, f, getattr(self, f), low=1)
-        check(self.head_dim % 2 == 0, own, "head_dim", self.head_dim, "it must be even (RoPE rotates pairs)")
-        check(
-            self.num_heads % self.num_kv_heads == 0,
-            own,
-            "num_heads",
-            self.num_heads,
-            f"it must be divisible by num_kv_heads={self.num_kv_heads}",
-        )
-        check_number(own, "rope_theta", self.rope_theta, low=0.0, strict=True)
-        check_number(own, "rms_eps", self.rms_eps, low=0.0, strict=True)
-        check_int(own, "num_experts", self.num_experts, low=0)
-        for i in self.dense_layers:
-            check(0 <= i < self.num_layers, own, "dense_layers", self.dense_layers, f"ids in [0, {self.num_layers})")
-        if self.num_experts > 0:
-            check(1 <= self.top_k <= self.num_experts, own, "top_k", self.top_k, f"in [1, {self.num_experts}]")
-            if self.num_moe_layers:
-                check_int(own, "moe_mlp_dim", self.moe_mlp_dim, low=1)
-        check_int(own, "mlp_dim", self.mlp_dim, low=1 if self.num_moe_layers < self.num_layers else 0)
-        for f in ("lb_loss_coef", "z_loss_coef"):
-            check_number(own, f, getattr(self, f), low=0.0)
-        check_choice(own, "dispatch", self.dispatch, moe.DISPATCHES)
-        for f in ("param_dtype", "dtype"):
-            check_choice(own, f, getattr(self, f), tuple(DTYPES))
-        check_choice(own, "remat", self.remat, tuple(REMAT_POLICIES))
-        check_int(own, "logprob_chunk", self.logprob_chunk, low=0)
-        check_int(own, "batch_chunks", self.batch_chunks, low=1)
-
-    def is_moe_layer(self, i: int) -> bool:
-        """Qwen3-MoE rule: MoE iff experts exist, (i+1) % moe_every == 0 and i not in dense_layers."""
-        return self.num_experts > 0 and (i + 1) % self.moe_every == 0 and i not in self.dense_layers
-
-    @property
-    def moe_layer_ids(self) -> tuple[int, ...]:
-        return tuple(i for i in range(self.num_layers) if self.is_moe_layer(i))
-
-    @property
-    def num_moe_layers(self) -> int:
-        return len(self.moe_layer_ids)
-
-    @property
-    def layer_runs(self) -> tuple[tuple[int, int], ...]:
-        """(first layer, count) of each run of consecutive layers of one kind (dense or MoE): the
-        model's stacks, one parameter stack and one scan each."""
-        runs: list[list[int]] = []
-        for i in range(self.num_layers):
-            if runs and self.is_moe_layer(i) == self.is_moe_layer(runs[-1][0]):
-                runs[-1][1] += 1
-            else:
-                runs.append([i, 1])
-        return tuple((first, n) for first, n in runs)
-
-    @property
-    def jnp_dtype(self):
-        return DTYPES[self.dtype]
-
-    @property
-    def jnp_param_dtype(self):
-        return DTYPES[self.param_dtype]
-
-
-PRESETS: dict[str, ModelConfig] = {
-    # Fast on CPU: layer 0 dense, layers 1-2 MoE (8 experts, top-2).
-    "tiny": ModelConfig(
-        vocab_size=128,
-        embed_dim=64,
-        num_layers=3,
-        num_heads=4,
-        num_kv_heads=2,
-        head_dim=16,
-        qk_norm=True,
-        mlp_dim=128,
-        num_experts=8,
-        top_k=2,
-        moe_mlp_dim=32,
-        dense_layers=(0,),
-        lb_loss_coef=0.01,
-        z_loss_coef=0.001,
-    ),
-    "qwen3_30b_a3b": ModelConfig(
-        vocab_size=151936,
-        embed_dim=2048,
-        num_layers=48,
-        num_heads=32,
-        num_kv_heads=4,
-        head_dim=128,
-        qk_norm=True,
-        rope_theta=1e6,
-        rms_eps=1e-6,
-        mlp_dim=6144,
-        tie_embeddings=False,
-        num_experts=128,
-        top_k=8,
-        moe_mlp_dim=768,
-        renormalize_topk=True,
-        moe_every=1,
-        lb_loss_coef=0.001,
-        dispatch="auto",
-        param_dtype="bfloat16",
-        dtype="bfloat16",
-    ),
-    "mixtral_8x7b": ModelConfig(
-        vocab_size=32000,
-        embed_dim=4096,
-        num_layers=32,
-        num_heads=32,
-        num_kv_heads=8,
-        head_dim=128,
-        qk_norm=False,
-        rope_theta=1e6,
-        rms_eps=1e-5,
-        mlp_dim=14336,
-        tie_embeddings=False,
-        num_experts=8,
-        top_k=2,
-        moe_mlp_dim=14336,
-        renormalize_topk=True,
-        moe_every=1,
-        lb_loss_coef=0.02,
-        dispatch="auto",
-        param_dtype="bfloat16",
-        dtype="bfloat16",
-    ),
-}
-
-
-def get_config(name: str, **overrides) -> ModelConfig:
-    """A named preset with fields overridden (re-validated)."""
-    if name not in PRESETS:
-        raise ValueError(f"get_config: unknown preset {name!r}; known {tuple(PRESETS)}")
-    return dataclasses.replace(PRESETS[name], **overrides)
 
 
 # ---------------------------------------------------------------------------- pytrees
@@ -791,40 +600,6 @@ def init(cfg: ModelConfig, seed: int, shardings=None) -> tuple[nnx.GraphDef, nnx
         _random_state, static_argnums=0, out_shardings=shardings, compiler_options=compiles.run_once_options()
     )
     return graphdef, build(cfg, np.int32(seed))
-
-
-def stacked_to_layers(cfg: ModelConfig, params: dict) -> dict:
-    """Per-layer view of a {path: array} dict: ("stacks", s, "layer", *rest) [n, ...] becomes
-    ("layers", i, *rest) for each of the stack's layers i (how HF checkpoints name them)."""
-    out = {}
-    for path, x in params.items():
-        if path[:1] != ("stacks",):
-            out[path] = x
-            continue
-        first, n = cfg.layer_runs[path[1]]
-        for j in range(n):
-            out[("layers", first + j) + tuple(path[3:])] = x[j]
-    return out
-
-
-def layers_to_stacked(cfg: ModelConfig, params: dict) -> dict:
-    """Inverse of `stacked_to_layers`: stacks each run's per-layer arrays (numpy or jax)."""
-    out, per = {}, {}
-    for path, x in params.items():
-        if path[:1] == ("layers",):
-            per[path] = x
-        else:
-            out[path] = x
-    for s, (first, n) in enumerate(cfg.layer_runs):
-        for rest in sorted({p[2:] for p in per if first <= p[1] < first + n}):
-            xs = [per.pop(("layers", first + j) + rest, None) for j in range(n)]
-            missing = [first + j for j, x in enumerate(xs) if x is None]
-            if missing:
-                raise ValueError(f"layers_to_stacked: no {rest} for layers {missing}")
-            out[("stacks", s, "layer") + rest] = (jnp if isinstance(xs[0], jax.Array) else np).stack(xs)
-    if per:
-        raise ValueError(f"layers_to_stacked: parameters of no layer run: {sorted(per)[:5]}")
-    return out
 
 
 def count_params(cfg: ModelConfig) -> tuple[int, int]:

@@ -87,7 +87,7 @@ def compile_programs(built: config_lib.Built, graphdef, params, mesh: jax.shardi
         mesh, bool(critic_cfg), weight_replay=t.routing_replay == "R3W", old_router=old_router
     )
     forced_sh = (batch_sh.topk, batch_sh.gates) if batch_sh.gates is not None else batch_sh.topk
-    scored_sh = Scored(batch_sh.old_logp, batch_sh.topk)
+    scored_sh = Scored(old_logp=batch_sh.old_logp, topk=batch_sh.topk)
     critic_static = estimate = init_critic = None
     options = compiles.step_options(built.cpu_fast_compile)  # XLA:CPU's fast-compile code generation or not
     if critic_cfg:
@@ -95,7 +95,7 @@ def compile_programs(built: config_lib.Built, graphdef, params, mesh: jax.shardi
         critic_static = critic_lib.CriticStep(critic_graphdef, built.critic_optimizer, t.updates, critic_cfg.value_clip)
         critic_sh = critic_lib.state_shardings(critic_static, abstract_critic, mesh)
         state_sh = state_sh.replace(critic=critic_sh)
-        rewards_sh = sharding_lib.batch_sharding(mesh, 1)
+        rewards_sh = sharding_lib.field_sharding(mesh, "rewards")
         estimate = jax.jit(
             on_mesh(critic_lib.with_advantages),
             static_argnums=(0, 1),

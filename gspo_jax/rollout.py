@@ -20,6 +20,7 @@ import numpy as np
 
 from gspo_jax import advantages as adv_lib
 from gspo_jax import multihost
+from gspo_jax import sharding as sharding_lib
 from gspo_jax.sampler import SampleOutput, Sampler, left_pad
 from gspo_jax.validation import check, check_choice, check_int, check_number
 
@@ -90,15 +91,16 @@ class RolloutBatch:
     """One training batch of B = num_groups × group_size completions over T = P + C positions.
 
     Per-token fields stay where the sampler left them: device arrays, split over the sampler's mesh
-    (each process holds its rows; nothing goes through the host). Per-sequence fields are host arrays,
-    the same on every process.
+    (each process holds its rows; nothing goes through the host) by the batch field table
+    (`sharding.BATCH_FIELDS`), whose names they keep from the sampler to the trainer's batch.
+    Per-sequence fields are host arrays, the same on every process.
     """
 
     tokens: jax.Array  # int32 [B, T]
     prompt_mask: jax.Array  # bool [B, T]
     completion_mask: jax.Array  # bool [B, T]: every generated token up to EOS (positions need it)
     loss_mask: jax.Array  # float32 [B, T]: completion_mask minus filtered (overlong, fill) completions
-    old_logp: jax.Array  # float32 [B, T]: the sampler's log-probs
+    sampler_logp: jax.Array  # float32 [B, T]: the sampler's log-probs
     topk: jax.Array  # int32 [B, L, T, K]: the sampler's routing (R3 replay)
     rewards: np.ndarray  # float32 [B], after overlong shaping
     advantages: np.ndarray  # float32 [B]
@@ -108,9 +110,9 @@ class RolloutBatch:
     gates: jax.Array | None = None  # float32 [B, L, T, K]: the sampler's combine weights (R3W replay)
 
 
-# The per-token sampler outputs a batch is assembled from, in this order (and "gates" when recorded).
-_TOKEN_FIELDS = ("tokens", "prompt_mask", "completion_mask", "logp", "topk")
-_ROUTING_FIELDS = ("topk", "gates")  # [B, L, T, K]
+# The per-token sampler outputs a batch is assembled from, in this order (and "gates" when recorded);
+# the per-sequence ones come through the host.
+_TOKEN_FIELDS = ("tokens", "prompt_mask", "completion_mask", "sampler_logp", "topk", "gates")
 
 
 class Sampled(NamedTuple):
@@ -176,14 +178,14 @@ class Rollout:
             )
         self.sampler, self.task, self.tokenizer, self.cfg = sampler, task, tokenizer, cfg
         self.rows = multihost.local_rows(sampler.batch_sharding(2), sampler.batch_size)  # this process's
-        self._fields = _TOKEN_FIELDS + (("gates",) if sampler.record_gates else ())
+        self._fields = tuple(f for f in _TOKEN_FIELDS if f in sampler.fields)
         if sampler.mesh is None:
             self._pick, self._loss_mask = jax.jit(_pick), jax.jit(_loss_mask)
         else:
-            b = {f: sampler.batch_sharding(4 if f in _ROUTING_FIELDS else 2) for f in self._fields}
+            b = sharding_lib.field_shardings(sampler.mesh, self._fields)
             rep = jax.sharding.NamedSharding(sampler.mesh, jax.sharding.PartitionSpec())
             self._pick = jax.jit(_pick, in_shardings=(b, b, rep, rep), out_shardings=b)
-            self._loss_mask = jax.jit(_loss_mask, out_shardings=b["tokens"])
+            self._loss_mask = jax.jit(_loss_mask, out_shardings=sharding_lib.field_sharding(sampler.mesh, "loss_mask"))
         self.eos_ids = (tokenizer.eos_token_id,)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
 
@@ -253,18 +255,13 @@ class Rollout:
         B = len(src_row)
         keep = multihost.put_rows(keep_B[self.rows], self.rows, self.sampler.batch_sharding(1), B)
         batch = RolloutBatch(
-            tokens=fields["tokens"],
-            prompt_mask=fields["prompt_mask"],
-            completion_mask=fields["completion_mask"],
+            **fields,
             loss_mask=self._loss_mask(fields["completion_mask"], keep),
-            old_logp=fields["logp"],
-            topk=fields["topk"],
             rewards=rewards,
             advantages=np.asarray(advantages),
             group_ids=np.repeat(np.arange(cfg.num_groups, dtype=np.int32), G),
             lengths=host(lambda x: x.sampled.lengths),
             truncated=truncated,
-            gates=fields.get("gates"),
         )
         return batch, self._metrics(rounds, len(picks) - shortfall, shortfall)
 

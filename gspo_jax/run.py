@@ -8,13 +8,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import math
 import signal
 import time
 from pathlib import Path
 
 import jax
-import ml_collections
 
 from gspo_jax import compiles, multihost, plots, staleness
 from gspo_jax import config as config_lib
@@ -31,7 +29,7 @@ from gspo_jax.rollout import Rollout
 from gspo_jax.sampler import Sampler
 from gspo_jax.tasks import load_tokenizer, prompt_iterator
 from gspo_jax.validation import ConfigError
-from gspo_jax.warm_start import cache_key, warm_start
+from gspo_jax.warm_start import warm_start
 from gspo_jax.writers import MetricWriter
 
 
@@ -46,38 +44,32 @@ class StoppedEarly(Exception):
 
 
 def train_and_evaluate(
-    config: ml_collections.ConfigDict,
+    built: config_lib.Built,
     workdir: str | Path,
     *,
     progress: bool = True,
     log_every: int = 1,
     allow_config_change: bool = False,
 ) -> dict[str, float]:
-    """The main job: warm start, then RL iterations with evaluation, logging and checkpoints, resuming
-    from the workdir's latest good checkpoint. One run per workdir (a lock), and only with the config
-    the workdir was started with (`workdir.RESUMABLE_KEYS` aside) unless `allow_config_change`.
+    """The main job of a built config (`config.build`): warm start, then RL iterations with evaluation,
+    logging and checkpoints, resuming from the workdir's latest good checkpoint. One run per workdir (a
+    lock), and only with the config the workdir was started with (`workdir.RESUMABLE_KEYS` aside) unless
+    `allow_config_change`.
     SIGTERM / SIGINT save a checkpoint at the next iteration boundary and raise `StoppedEarly`.
     Progress goes to stderr: a bar on a terminal, else one line every `log_every` iterations.
     With several processes (`multihost.initialize`) every process calls this with the same arguments;
-    the mesh must span every process's devices. Returns the last iteration's metrics ({} when nothing
-    was left to do)."""
-    workdir, built = Path(workdir), config_lib.build(config)
-    is_main = jax.process_index() == 0
-    mesh_size = math.prod(sharding_lib.mesh_from_config(**built.mesh.axes()).devices.shape)
-    if jax.process_count() > 1 and mesh_size != jax.device_count():
-        raise ConfigError(
-            f"config.mesh: {built.mesh.axes()} covers {mesh_size} of the {jax.device_count()} devices of "
-            f"{jax.process_count()} processes; a multi-process mesh must use them all (set one axis to -1)"
-        )
-    changes = workdir_lib.check_config(workdir, config, allow_change=allow_config_change)  # reads only
+    the mesh spans every process's devices (`build` refuses one that does not). Returns the last
+    iteration's metrics ({} when nothing was left to do)."""
+    workdir, is_main = Path(workdir), jax.process_index() == 0
+    changes = workdir_lib.check_config(workdir, built.config_json, allow_change=allow_config_change)  # reads only
     try:
         workdir.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ConfigError(f"workdir {str(workdir)!r} cannot be created: {e.strerror}") from None
     with workdir_lib.Lock(workdir) if is_main else contextlib.nullcontext():
         if is_main:
-            workdir_lib.record_config(workdir, config, changes)
-        return _run(built, cache_key(config), workdir, progress=progress, log_every=log_every)
+            workdir_lib.record_config(workdir, built.config_json, changes)
+        return _run(built, workdir, progress=progress, log_every=log_every)
 
 
 def make_rollout(built: config_lib.Built, graphdef, params, mesh: jax.sharding.Mesh) -> Rollout:
@@ -101,11 +93,9 @@ def make_rollout(built: config_lib.Built, graphdef, params, mesh: jax.sharding.M
     return Rollout(sampler, built.task, load_tokenizer(built.tokenizer_path or None), built.rollout)
 
 
-def _run(
-    built: config_lib.Built, warm_start_key: str, workdir: Path, *, progress: bool, log_every: int
-) -> dict[str, float]:
+def _run(built: config_lib.Built, workdir: Path, *, progress: bool, log_every: int) -> dict[str, float]:
     t, is_main = built.train, jax.process_index() == 0
-    mesh = sharding_lib.mesh_from_config(**built.mesh.axes())
+    mesh = sharding_lib.make_mesh(**built.mesh.axes())  # the run's one mesh: `build` resolved its sizes
     sharding_lib.warn_idle_devices(mesh)  # after every refusal: a refused run still prints one line
     graphdef, params = programs_lib.init_policy(built, mesh)
     programs = programs_lib.compile_programs(built, graphdef, params, mesh)
@@ -124,9 +114,7 @@ def _run(
         abstract = programs_lib.abstract_train_state(programs, params)
         k = built.rollout.staleness  # its lagged policies are checkpointed beside the train state
         restored = resume(ckpt, staleness.abstract(abstract, k), prompts)  # before any work
-        params, warm_start_info = warm_start(
-            built, warm_start_key, graphdef, params, mesh=mesh, rollout=rollout, workdir=workdir
-        )
+        params, warm_start_info = warm_start(built, graphdef, params, mesh=mesh, rollout=rollout, workdir=workdir)
         kl_reward = built.critic is not None and built.critic.kl_reward_coef > 0
         ref_params = params if built.loss.kl_coef > 0 or kl_reward else None
         if restored:

@@ -28,26 +28,31 @@ from gspo_jax import sharding as sharding_lib
 from gspo_jax.validation import check, check_int
 
 MAX_EOS_IDS = 4  # EOS ids travel as a fixed-size int32 vector padded with -1
+# What the sampler returns, by the names of the batch field table (`sharding.BATCH_FIELDS`); the gates
+# only with `record_gates`.
+SAMPLE_FIELDS = ("tokens", "prompt_mask", "completion_mask", "sampler_logp", "lengths", "truncated", "topk", "gates")
 
 
 @functools.partial(
     jax.tree_util.register_dataclass,
-    data_fields=["tokens", "prompt_mask", "completion_mask", "logp", "lengths", "truncated", "topk", "gates"],
+    data_fields=list(SAMPLE_FIELDS),
     meta_fields=[],
 )
 @dataclasses.dataclass(frozen=True)
 class SampleOutput:
-    """Everything aligned to the T = P + C positions of each sequence (prompt left-padded to P).
+    """Everything aligned to the T = P + C positions of each sequence (prompt left-padded to P). Each
+    field keeps its name in the rollout and the trainer's batch (dtypes and axes:
+    `sharding.BATCH_FIELDS`).
 
-    logp[b, t] is log π(tokens[b, t] | tokens[b, :t]) at the sampling temperature *without* top-k /
-    top-p truncation — the quantity the trainer recomputes (`losses.sequence_logprobs`); 0 off
+    sampler_logp[b, t] is log π(tokens[b, t] | tokens[b, :t]) at the sampling temperature *without*
+    top-k / top-p truncation — the quantity the trainer recomputes (`losses.sequence_logprobs`); 0 off
     completions. With temperature 0 (greedy) the log-probs are those at temperature 1.
     """
 
     tokens: jax.Array  # int32 [B, T]
     prompt_mask: jax.Array  # bool [B, T]: real prompt tokens
     completion_mask: jax.Array  # bool [B, T]: generated tokens up to and including EOS
-    logp: jax.Array  # float32 [B, T]
+    sampler_logp: jax.Array  # float32 [B, T]
     lengths: jax.Array  # int32 [B]: completion tokens, EOS included
     truncated: jax.Array  # bool [B]: no EOS within C tokens
     topk: jax.Array  # int32 [B, L, T, K]: router choices where the model ran (0 elsewhere)
@@ -210,7 +215,7 @@ def _generate(
         tokens=jnp.concatenate([prompt_BP.astype(jnp.int32), d.tokens], axis=1),
         prompt_mask=jnp.concatenate([prompt_mask_BP.astype(bool), jnp.zeros((B, C), bool)], axis=1),
         completion_mask=jnp.concatenate([zeros_BP.astype(bool), d.mask], axis=1),
-        logp=jnp.concatenate([zeros_BP.astype(jnp.float32), d.logp], axis=1),
+        sampler_logp=jnp.concatenate([zeros_BP.astype(jnp.float32), d.logp], axis=1),
         lengths=jnp.sum(d.mask, axis=1).astype(jnp.int32),
         truncated=~d.done,
         topk=jnp.concatenate([prompt_routing[0], d.topk], axis=2),
@@ -340,6 +345,8 @@ class Sampler:
         check(max_new_tokens % chunk == 0, "Sampler", "decode_chunk", chunk, f"a divisor of {max_new_tokens=}")
         self.decode_chunk = chunk
         self.record_gates = bool(record_gates)  # the routing's combine weights too (weight replay, R3W)
+        # The `SampleOutput` fields a call fills (the others are None).
+        self.fields = SAMPLE_FIELDS if self.record_gates else tuple(f for f in SAMPLE_FIELDS if f != "gates")
         self._static = (graphdef, max_new_tokens, self.max_top_k, chunk, self.record_gates)
         if mesh is None:
             self._fn = jax.jit(
@@ -348,14 +355,10 @@ class Sampler:
             self._cache_sharding = self._in_shardings = self._out_shardings = None
         else:
             state_sh = sharding_lib.param_shardings(mesh, state)
-            b1, b2 = sharding_lib.batch_sharding(mesh, 1), sharding_lib.batch_sharding(mesh, 2)
+            b2 = sharding_lib.batch_sharding(mesh, 2)  # the prompts and their mask
             rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
             self._cache_sharding = sharding_lib.cache_shardings(mesh, jax.eval_shape(self._new_cache))
-            b4 = sharding_lib.batch_sharding(mesh, 4)
-            out_sh = SampleOutput(
-                tokens=b2, prompt_mask=b2, completion_mask=b2, logp=b2, lengths=b1, truncated=b1, topk=b4,
-                gates=b4 if self.record_gates else None,
-            )  # fmt: skip
+            out_sh = SampleOutput(**sharding_lib.field_shardings(mesh, self.fields))
             self._in_shardings = (state_sh, self._cache_sharding, b2, b2, rep, rep, rep, rep, rep, rep)
             self._out_shardings = out_sh
             self._fn = jax.jit(

@@ -1,7 +1,8 @@
 """Logical-axis sharding: one rules table maps parameter and activation axis names onto a
 ("data", "fsdp", "expert", "tensor") mesh; helpers give `NamedSharding`s for
-params, optimizer state, batches and the KV cache, for `jax.jit` in/out shardings, and
-sharding constraints for activations inside a program traced `under_mesh`.
+params, optimizer state, batches (each field by the one batch field table, `BATCH_FIELDS`) and the KV
+cache, for `jax.jit` in/out shardings, and sharding constraints for activations inside a program traced
+`under_mesh`.
 
 Every parameter is an `nnx.Param` whose `out_sharding` metadata holds its logical
 axis names (see `param`); nothing here knows the model's structure.
@@ -13,7 +14,7 @@ import contextvars
 import functools
 import logging
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -229,6 +230,45 @@ def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     """Leading (batch) dimension over every data axis (`DATA_AXES`); the rest replicated.
     `config.build` checks that their product divides every batch a run splits."""
     return NamedSharding(mesh, P(DATA_AXES, *([None] * (ndim - 1))))
+
+
+# Every batch array, by the one name it has from the sampler (`sampler.SampleOutput`) through the
+# rollout (`rollout.RolloutBatch`) to the trainer's batch (`train.TrainBatch`) and the loss: its dtype
+# and axes (the letters of `gspo_jax/__init__.py`). Each of the three places its fields by this table
+# (`field_shardings`); the trainer's batch takes its shapes and placeholders from it too.
+BATCH_FIELDS: dict[str, tuple[Any, str]] = dict(
+    tokens=(np.int32, "BT"),
+    positions=(np.int32, "BT"),  # -1 on padding
+    prompt_mask=(np.bool_, "BT"),  # real prompt tokens
+    completion_mask=(np.bool_, "BT"),  # generated tokens up to and including EOS
+    loss_mask=(np.float32, "BT"),  # completion tokens that train (fill / filtered ones do not)
+    sampler_logp=(np.float32, "BT"),  # π_sampler: what the sampler reported for its tokens
+    old_logp=(np.float32, "BT"),  # π_old: the ratio's denominator (the trainer's or the sampler's, by mode)
+    ref_logp=(np.float32, "BT"),  # π_ref
+    values=(np.float32, "BT"),  # the critic's V(s_t) at the rollout
+    returns=(np.float32, "BT"),  # GAE's returns, the value targets
+    topk=(np.int32, "BLTK"),  # router choices: the sampler's, and in the trainer's batch π_old's
+    gates=(np.float32, "BLTK"),  # the sampler's combine weights of its `topk` (R3W)
+    old_router_logp=(np.float32, "BLTK"),  # π_old's router log-probs at `topk` (RSPO)
+    lengths=(np.int32, "B"),  # completion tokens, EOS included
+    truncated=(np.bool_, "B"),  # no EOS within the completion positions
+    rewards=(np.float32, "B"),
+    advantages=(np.float32, "B"),  # group-relative; a critic's (GAE) are per token, "BT"
+    group_ids=(np.int32, "B"),  # the prompt each completion answers
+)
+
+
+def field_sharding(mesh: Mesh, name: str, table: Mapping[str, tuple[Any, str]] = BATCH_FIELDS) -> NamedSharding:
+    """Batch field `name` on `mesh`, by its axes in `table` (`BATCH_FIELDS`, or a batch's own version of
+    it): rows over the data axes (`batch_sharding`), the rest replicated."""
+    return batch_sharding(mesh, len(table[name][1]))
+
+
+def field_shardings(
+    mesh: Mesh, names: Iterable[str], table: Mapping[str, tuple[Any, str]] = BATCH_FIELDS
+) -> dict[str, NamedSharding]:
+    """`field_sharding` of each of `names`, by name."""
+    return {k: field_sharding(mesh, k, table) for k in names}
 
 
 def abstract(tree, shardings: Any = None):

@@ -31,6 +31,7 @@ from gspo_jax import config as config_lib
 from gspo_jax import model as model_lib
 from gspo_jax import sharding as sharding_lib
 from gspo_jax.checkpoint import _COMMIT_MARKER, STATE_ITEM
+from gspo_jax.model_config import ModelConfig
 from gspo_jax.sampler import Sampler, left_pad
 from gspo_jax.tasks import load_tokenizer, prompt_iterator
 from gspo_jax.validation import ConfigError
@@ -45,7 +46,7 @@ class Run:
 
     workdir: Path
     config: ml_collections.ConfigDict
-    model: model_lib.ModelConfig
+    model: ModelConfig
     graphdef: nnx.GraphDef
     abstract_params: nnx.State  # shapes and dtypes, no arrays
 

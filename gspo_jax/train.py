@@ -36,19 +36,15 @@ class TrainState:
     critic: critic_lib.CriticState | None = None  # PPO's value model and its optimizer (`config.critic`)
 
 
-# Each TrainBatch field's dtype and axes: where its shapes, shardings and placeholders come from.
-# With a critic, advantages are per token (GAE) and the critic's fields are there; without, None.
-_FIELDS: dict[str, tuple[Any, str]] = dict(
-    tokens=(jnp.int32, "BT"),
-    positions=(jnp.int32, "BT"),
-    completion_mask=(jnp.bool_, "BT"),
-    **dict.fromkeys(("loss_mask", "old_logp", "sampler_logp", "ref_logp"), (jnp.float32, "BT")),
-    advantages=(jnp.float32, "B"),
-    topk=(jnp.int32, "BLTK"),
-)
-_CRITIC_FIELDS = dict.fromkeys(("advantages", "values", "returns"), (jnp.float32, "BT"))
-_WEIGHT_REPLAY_FIELDS = dict(gates=(jnp.float32, "BLTK"))  # R3W only: 4·K·L more bytes per token
-_OLD_ROUTER_FIELDS = dict(old_router_logp=(jnp.float32, "BLTK"))  # RSPO off the on-policy path only
+# Each TrainBatch field's dtype and axes, from the one batch field table (`sharding.BATCH_FIELDS`):
+# where its shapes, shardings and placeholders come from. With a critic, advantages are per token (GAE)
+# and the critic's fields are there; without, None.
+_fields = lambda *names: {k: sharding_lib.BATCH_FIELDS[k] for k in names}
+_LOGPS = ("old_logp", "sampler_logp", "ref_logp")  # π_old (the ratio's denominator), π_sampler, π_ref
+_FIELDS = _fields("tokens", "positions", "completion_mask", "loss_mask", *_LOGPS, "advantages", "topk")
+_CRITIC_FIELDS = {**_fields("values", "returns"), "advantages": (jnp.float32, "BT")}  # GAE's: per token
+_WEIGHT_REPLAY_FIELDS = _fields("gates")  # R3W only: 4·K·L more bytes per token
+_OLD_ROUTER_FIELDS = _fields("old_router_logp")  # RSPO off the on-policy path only
 
 
 @struct.dataclass
@@ -60,8 +56,8 @@ class TrainBatch:
     positions: Array  # [B, T]; -1 on padding
     completion_mask: Array  # [B, T]: generated tokens (drift is measured on them)
     loss_mask: Array  # [B, T]: completion tokens that train (fill / filtered ones do not)
-    old_logp: Array  # [B, T]: π_old
-    sampler_logp: Array  # [B, T]: π_sampler, what the sampler reported (corrections weigh by old / it)
+    old_logp: Array  # [B, T]: π_old, the ratio's denominator: the trainer's scoring, or `sampler_logp` by mode
+    sampler_logp: Array  # [B, T]: π_sampler, the rollout's own (corrections weigh by old / it)
     ref_logp: Array  # [B, T]: π_ref (zeros without a KL term)
     advantages: Array  # [B], or [B, T] with a critic (GAE)
     topk: Array  # [B, L, T, K]: π_old's routing, replayed under R2 / R3 / R3W
@@ -90,7 +86,7 @@ class TrainBatch:
     ) -> TrainBatch:
         """Every field's rows split over the mesh's data axes."""
         spec = cls.spec(critic, weight_replay, old_router)
-        return cls(**{k: sharding_lib.batch_sharding(mesh, len(axes)) for k, (_, axes) in spec.items()})
+        return cls(**sharding_lib.field_shardings(mesh, spec, spec))
 
     @classmethod
     def filled(cls, critic: bool, **given) -> TrainBatch:
@@ -164,9 +160,10 @@ def forced_routing(replay: str, batch: TrainBatch):
 
 
 class Scored(NamedTuple):
-    """An on-policy update's forward at π_old: the batch's π_old log-probs and routing."""
+    """An on-policy update's forward at π_old: the batch's π_old log-probs and routing, by the names of
+    the `TrainBatch` fields they fill."""
 
-    logp: Array  # float32 [B, T]
+    old_logp: Array  # float32 [B, T]
     topk: Array  # int32 [B, L, T, K]
 
 

@@ -1,21 +1,19 @@
 """Supervised warm start: a few hundred steps of cross-entropy on the task's demonstrations, so RL
 starts from a policy that solves some prompts (a random one never earns a reward). Its optimizer
 comes from `config.warm_start`; the result is cached in the workdir (or `warm_start.cache_dir`)
-through the project's checkpoint module, keyed by everything that determines it.
+through the project's checkpoint module, keyed by everything that determines it
+(`config.warm_start_key`, taken at the build).
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
-import hashlib
-import json
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 import optax
 
@@ -42,38 +40,17 @@ def sft_step(graphdef, tx, params, opt_state, tokens_BT, positions_BT, mask_BT):
     return optax.apply_updates(params, updates), opt_state, loss
 
 
-def cache_key(config: ml_collections.ConfigDict) -> str:
-    """A hash of what the warm start depends on: model, task, its own settings, seed, lengths and how its
-    step is compiled (`cpu_fast_compile`: XLA:CPU's two code generators round differently)."""
-    c = config
-    ws = {k: v for k, v in c.warm_start.items() if k != "cache_dir"}
-    blob = json.dumps(
-        dict(
-            model=c.model.to_dict(),
-            task=config_lib.task_settings(c),
-            ws=ws,
-            seed=c.seed,
-            P=c.prompt_len,
-            N=c.max_new_tokens,
-            fast_compile=c.cpu_fast_compile,
-        ),
-        sort_keys=True,
-        default=str,
-    )
-    return hashlib.sha256(blob.encode()).hexdigest()[:12]
-
-
 def warm_start(
-    built: config_lib.Built, key: str, graphdef, params, *, mesh, rollout: Rollout, workdir: Path
+    built: config_lib.Built, graphdef, params, *, mesh, rollout: Rollout, workdir: Path
 ) -> tuple[Any, dict[str, float]]:
     """The warm-started parameters (sharded like `params`) and what to log about it; from the cache
-    (`key`: `cache_key` of the run's config) when an identical warm start already ran.
+    (named by `built.warm_start_key`) when an identical warm start already ran.
     `warm_start.steps = 0` returns `params` as they are."""
     w = built.warm_start
     if w.steps == 0:
         return params, {}
     abstract = sharding_lib.abstract(params)
-    cache = Path(w.cache_dir or workdir) / f"warm_start_{key}"
+    cache = Path(w.cache_dir or workdir) / f"warm_start_{built.warm_start_key}"
     cache.parent.mkdir(parents=True, exist_ok=True)
     # Runs sharing a cache (a sweep's) take turns: the first trains and saves, the others wait and
     # restore. One process only: on several, every process must take part in the training steps.

@@ -18,8 +18,6 @@ import socket
 from pathlib import Path
 from typing import Any
 
-import ml_collections
-
 from gspo_jax.validation import ConfigError
 from gspo_jax.writers import METRICS_FILE, ROUTING_FILE, SAMPLES_FILE
 
@@ -159,13 +157,14 @@ def _jsonable(x):
     return list(x) if isinstance(x, tuple) else str(x)
 
 
-def check_config(workdir: Path, config: ml_collections.ConfigDict, *, allow_change: bool) -> list[str]:
-    """Refuses (ConfigError, one line) a config that differs from the one `workdir` was started with,
-    unless `allow_change`; returns the changes. Reads only: a refused run leaves the workdir as it was."""
+def check_config(workdir: Path, config_json: str, *, allow_change: bool) -> list[str]:
+    """Refuses (ConfigError, one line) a config (`config.as_json`) that differs from the one `workdir` was
+    started with, unless `allow_change`; returns the changes. Reads only: a refused run leaves the
+    workdir as it was."""
     path = workdir / CONFIG_FILE
     if not path.exists():
         return []
-    changes = config_changes(json.loads(path.read_text()), config.to_dict())
+    changes = config_changes(json.loads(path.read_text()), json.loads(config_json))
     if changes and not allow_change:
         raise ConfigError(
             f"workdir {workdir} was started with a different config ({'; '.join(changes)}); use a new workdir, "
@@ -174,15 +173,16 @@ def check_config(workdir: Path, config: ml_collections.ConfigDict, *, allow_chan
     return changes
 
 
-def record_config(workdir: Path, config: ml_collections.ConfigDict, changes: list[str]) -> None:
-    """Writes `config.json`; an allowed change keeps the previous one as `config.<time>.json`."""
+def record_config(workdir: Path, config_json: str, changes: list[str]) -> None:
+    """Writes `config_json` (`config.as_json`) as `config.json`; an allowed change keeps the previous one
+    as `config.<time>.json`."""
     path = workdir / CONFIG_FILE
     if changes:
         kept = workdir / f"config.{datetime.datetime.now().strftime('%Y%m%d-%H%M%S')}.json"
         path.rename(kept)
         log.warning("config changed on resume (%s); the previous config is kept as %s", "; ".join(changes), kept.name)
     tmp = path.with_suffix(".json.tmp")
-    tmp.write_text(config.to_json_best_effort(indent=2))
+    tmp.write_text(config_json)
     os.replace(tmp, path)
 
 

@@ -38,6 +38,7 @@ import orbax.checkpoint as ocp  # noqa: E402
 
 from gspo_jax import hf, snapshots  # noqa: E402
 from gspo_jax import model as model_lib  # noqa: E402
+from gspo_jax.model_config import DTYPES, ModelConfig  # noqa: E402
 from gspo_jax.tasks.tokenizer import TOKENIZER_DIR, load_tokenizer  # noqa: E402
 from gspo_jax.validation import ConfigError  # noqa: E402
 
@@ -47,7 +48,7 @@ MODEL_CONFIG = "model_config.json"
 HF_EXTRA_FIELDS = ("bos_token_id", "eos_token_id", "pad_token_id", "max_position_embeddings")
 
 
-def hf_to_jax(src: str, dst: str, *, dtype: str | None = None, overwrite: bool = False) -> model_lib.ModelConfig:
+def hf_to_jax(src: str, dst: str, *, dtype: str | None = None, overwrite: bool = False) -> ModelConfig:
     """HF directory -> JAX directory; returns the model config."""
     cfg, _, state = hf.load_hf_checkpoint(src, dtype=dtype)
     source = json.loads(Path(src, "config.json").read_text())
@@ -65,10 +66,10 @@ def hf_to_jax(src: str, dst: str, *, dtype: str | None = None, overwrite: bool =
     return cfg
 
 
-def jax_to_hf(src: str, dst: str, *, model_type: str | None = None, max_shard_bytes: int) -> model_lib.ModelConfig:
+def jax_to_hf(src: str, dst: str, *, model_type: str | None = None, max_shard_bytes: int) -> ModelConfig:
     """JAX directory (as written by `hf_to_jax`) -> HF directory; returns the model config."""
     meta = json.loads(Path(src, MODEL_CONFIG).read_text())
-    cfg = model_lib.ModelConfig(**meta["model_config"])
+    cfg = ModelConfig(**meta["model_config"])
     _, abstract = model_lib.abstract_model(cfg)
     state = ocp.StandardCheckpointer().restore(os.path.abspath(os.path.join(src, STATE_DIR)), abstract)
     hf.save_hf_checkpoint(
@@ -119,7 +120,7 @@ def run_to_hf(
     model_type: str | None = None,
     max_shard_bytes: int = hf.DEFAULT_MAX_SHARD_BYTES,
     overwrite: bool = False,
-) -> tuple[model_lib.ModelConfig, int]:
+) -> tuple[ModelConfig, int]:
     """A run's checkpoint at `step` (default: its newest finished one) -> HF directory with the run's
     tokenizer; returns (model config, step). Everything is checked before the first write, and the
     workdir is only read. Raises ConfigError for what cannot be exported."""
@@ -174,7 +175,7 @@ def main(argv=None) -> None:
     parser.add_argument("--in", dest="src", required=True, help="source directory (run2hf: the run's workdir)")
     parser.add_argument("--out", dest="dst", required=True, help="destination directory")
     parser.add_argument("--direction", required=True, choices=("hf2jax", "jax2hf", "run2hf"))
-    parser.add_argument("--dtype", choices=tuple(model_lib.DTYPES), help="hf2jax: cast parameters (default: keep)")
+    parser.add_argument("--dtype", choices=tuple(DTYPES), help="hf2jax: cast parameters (default: keep)")
     parser.add_argument(
         "--model-type",
         choices=hf.MODEL_TYPES,

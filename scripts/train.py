@@ -149,7 +149,7 @@ def main(argv):
         refuse(f"--log_every={_LOG_EVERY.value}: must be >= 1")
     start_processes()  # before anything touches a JAX backend (config.build does)
     try:
-        config_lib.build(_CONFIG.value)  # every check, before any work
+        built = config_lib.build(_CONFIG.value)  # every check, before any work; the run reads only this
     except ValueError as e:
         refuse(str(e))
     if _COMPILATION_CACHE.value:
@@ -161,7 +161,7 @@ def main(argv):
     logging.getLogger("absl").setLevel(logging.WARNING)  # orbax logs every save step at INFO
     try:
         metrics = train_and_evaluate(
-            _CONFIG.value,
+            built,
             _WORKDIR.value,
             progress=_PROGRESS.value,
             log_every=_LOG_EVERY.value,

@@ -273,11 +273,11 @@ def test_tiny_ppo_run_logs_the_critic_and_resumes_bitwise_with_it(tmp_path, monk
     from test_train import _metrics, _sigterm_after
 
     c = tiny("ppo")
-    run_lib.train_and_evaluate(c, tmp_path / "full", progress=False)
+    run_lib.train_and_evaluate(build(c), tmp_path / "full", progress=False)
     with monkeypatch.context() as m, pytest.raises(run_lib.StoppedEarly):
         _sigterm_after(m, 0)
-        run_lib.train_and_evaluate(c, tmp_path / "resumed", progress=False)
-    run_lib.train_and_evaluate(c, tmp_path / "resumed", progress=False)
+        run_lib.train_and_evaluate(build(c), tmp_path / "resumed", progress=False)
+    run_lib.train_and_evaluate(build(c), tmp_path / "resumed", progress=False)
 
     def final(workdir):
         s = Setup(c)

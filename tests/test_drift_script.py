@@ -25,7 +25,7 @@ from gspo_jax import model as model_lib
 from gspo_jax import programs as programs_lib
 from gspo_jax import workdir as workdir_lib
 from gspo_jax.checkpoint import _COMMIT_MARKER, Checkpointer
-from gspo_jax.config import base_config, build
+from gspo_jax.config import as_json, base_config, build
 from gspo_jax.tasks import prompt_iterator
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -62,7 +62,7 @@ def make_run(workdir: Path, config) -> SimpleNamespace:
     """A workdir as training leaves it, steps `STEPS` checkpointed; the parameters of step s are the
     initial ones plus s × 0.05 × fixed noise."""
     workdir.mkdir(parents=True)
-    workdir_lib.record_config(workdir, config, [])
+    workdir_lib.record_config(workdir, as_json(config), [])
     built = build(config)
     mesh = sharding.mesh_from_config(**config.mesh)
     # Random parameters drawn by numpy: `model.init` would compile for seconds to draw the same kind.
@@ -216,7 +216,7 @@ def _variant(run, tmp_path, name, **model) -> Path:
     c.model.update(model)
     d = tmp_path / name
     shutil.copytree(run.workdir / "checkpoints", d / "checkpoints", ignore=shutil.ignore_patterns(str(IN_FLIGHT)))
-    workdir_lib.record_config(d, c, [])
+    workdir_lib.record_config(d, as_json(c), [])
     return d
 
 

@@ -16,10 +16,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from test_hf import MIXTRAL_8X7B
 from transformers import AutoConfig, AutoTokenizer
 
 from gspo_jax import config as config_lib
-from gspo_jax import hf, snapshots
+from gspo_jax import hf, model_config, snapshots
 from gspo_jax import model as model_lib
 from gspo_jax import run as run_lib
 from gspo_jax import workdir as workdir_lib
@@ -56,7 +57,7 @@ def run(tmp_path_factory):
     c.train.update(num_iterations=2, checkpoint_every=1, eval_every=10, eval_batches=1, drift_metrics=False)
     with pytest.MonkeyPatch.context() as m:
         m.setattr(run_lib.plots, "plot_run", lambda workdir: None)  # plots are seconds, and not what is tested
-        run_lib.train_and_evaluate(c, workdir, progress=False)
+        run_lib.train_and_evaluate(config_lib.build(c), workdir, progress=False)
     assert snapshots.steps(workdir) == [1, 2]
     return workdir, digest(workdir)
 
@@ -158,7 +159,7 @@ def test_a_run_started_from_a_mixtral_checkpoint_exports_as_mixtral(tmp_path):
     c.hf_checkpoint, c.warm_start.steps = str(source), 0
     workdir = tmp_path / "run"
     workdir.mkdir()
-    workdir_lib.record_config(workdir, c, [])
+    workdir_lib.record_config(workdir, config_lib.as_json(c), [])
     _, _, state = hf.load_hf_checkpoint(source)
     with Checkpointer(workdir / "checkpoints", async_save=False) as ckpt:
         ckpt.save(3, {"step": np.int32(0), "params": state}, {}, force=True)
@@ -175,9 +176,9 @@ def test_a_run_started_from_a_mixtral_checkpoint_exports_as_mixtral(tmp_path):
 @pytest.mark.parametrize(
     "cfg, model_type",
     [
-        (model_lib.get_config("tiny"), "qwen3_moe"),
-        (model_lib.ModelConfig(num_experts=0, mlp_dim=96, dispatch="dense", z_loss_coef=0.1), "qwen3_moe"),
-        (model_lib.get_config("mixtral_8x7b", mlp_dim=7), "mixtral"),  # mlp_dim: no dense layer uses it
+        (model_config.get("tiny"), "qwen3_moe"),
+        (model_config.ModelConfig(num_experts=0, mlp_dim=96, dispatch="dense", z_loss_coef=0.1), "qwen3_moe"),
+        (dataclasses.replace(MIXTRAL_8X7B, mlp_dim=7), "mixtral"),  # mlp_dim: no dense layer uses it
     ],
     ids=["tiny", "all_dense", "mixtral"],
 )

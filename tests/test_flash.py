@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from gspo_jax import flash
+from gspo_jax import flash, model_config
 from gspo_jax import model as model_lib
 
 
@@ -33,7 +33,7 @@ def loss_and_grads(cfg, tokens, real, positions):
 
 
 def test_fused_attention_equals_the_einsum_path_values_and_gradients(monkeypatch):
-    cfg = model_lib.get_config("tiny", vocab_size=64)  # grouped-query: 4 heads over 2 key/value heads
+    cfg = model_config.get("tiny", vocab_size=64)  # grouped-query: 4 heads over 2 key/value heads
     tokens, real, positions = batch()
     (want_loss, want_logits), want_grads = loss_and_grads(cfg, tokens, real, positions)
     monkeypatch.setattr(flash, "implementation", lambda platform, dtype, head_dim: "xla")

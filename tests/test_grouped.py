@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gspo_jax import grouped, moe, sharding
+from gspo_jax import grouped, model_config, moe, sharding
 from gspo_jax import model as model_lib
 from gspo_jax.sampler import Sampler, left_pad
 
@@ -199,7 +199,7 @@ def test_sampler_and_scoring_in_batch_chunks_on_a_mesh_equal_one_device():
     """The grouped path's shard_map in a real program: the sampler's prefill in batch chunks and its
     decode steps (one token per sequence, 2 per device), and the scoring forward in batch chunks, on
     data=2 × tensor=2, equal the same programs on one device."""
-    cfg = model_lib.get_config("tiny", num_layers=1, dense_layers=(), dispatch="grouped", batch_chunks=2)
+    cfg = model_config.get("tiny", num_layers=1, dense_layers=(), dispatch="grouped", batch_chunks=2)
     graphdef, state = nnx.split(model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
     B, P, C = 4, 8, 6
     rng = np.random.default_rng(0)
@@ -211,7 +211,7 @@ def test_sampler_and_scoring_in_batch_chunks_on_a_mesh_equal_one_device():
         sharded, tokens, mask, jax.random.key(3)
     )
     np.testing.assert_array_equal(on_mesh.tokens, on_one.tokens)
-    np.testing.assert_allclose(on_mesh.logp, on_one.logp, atol=1e-5)
+    np.testing.assert_allclose(on_mesh.sampler_logp, on_one.sampler_logp, atol=1e-5)
     np.testing.assert_array_equal(on_mesh.topk, on_one.topk)
     positions = model_lib.positions_from_mask(on_one.prompt_mask | on_one.completion_mask)
     score = functools.partial(model_lib.score, graphdef, 1.0)

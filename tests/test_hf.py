@@ -20,7 +20,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from gspo_jax import hf, sharding
+from gspo_jax import hf, model_config, sharding
 from gspo_jax import model as model_lib
 from gspo_jax.tasks.tokenizer import TOKENIZER_DIR
 
@@ -163,11 +163,34 @@ MIXTRAL_8X7B_HUB = {  # config.json of mistralai/Mixtral-8x7B-v0.1
     "use_cache": True,
     "vocab_size": 32000,
 }
+# What MIXTRAL_8X7B_HUB describes, written out by hand (not a size of ours: `model_config.SIZES`).
+MIXTRAL_8X7B = model_config.ModelConfig(
+    vocab_size=32000,
+    embed_dim=4096,
+    num_layers=32,
+    num_heads=32,
+    num_kv_heads=8,
+    head_dim=128,
+    qk_norm=False,
+    rope_theta=1e6,
+    rms_eps=1e-5,
+    mlp_dim=14336,
+    tie_embeddings=False,
+    num_experts=8,
+    top_k=2,
+    moe_mlp_dim=14336,
+    renormalize_topk=True,
+    moe_every=1,
+    lb_loss_coef=0.02,
+    dispatch="auto",
+    param_dtype="bfloat16",
+    dtype="bfloat16",
+)
 
 
-def test_hub_configs_give_presets():
-    assert hf.config_from_hf(QWEN3_30B_A3B_HUB, dispatch="auto") == model_lib.get_config("qwen3_30b_a3b")
-    assert hf.config_from_hf(MIXTRAL_8X7B_HUB, dispatch="auto") == model_lib.get_config("mixtral_8x7b")
+def test_hub_configs_give_their_models():
+    assert hf.config_from_hf(QWEN3_30B_A3B_HUB, dispatch="auto") == model_config.get("qwen3_30b_a3b")
+    assert hf.config_from_hf(MIXTRAL_8X7B_HUB, dispatch="auto") == MIXTRAL_8X7B
 
 
 def test_transformers5_config_names():
@@ -182,9 +205,9 @@ def test_transformers5_config_names():
 @pytest.mark.parametrize(
     "cfg, model_type",
     [
-        (model_lib.get_config("tiny"), "qwen3_moe"),
+        (model_config.get("tiny"), "qwen3_moe"),
         (
-            model_lib.ModelConfig(
+            model_config.ModelConfig(
                 num_layers=4,
                 num_experts=4,
                 moe_every=2,
@@ -196,15 +219,15 @@ def test_transformers5_config_names():
             ),
             "qwen3_moe",
         ),
-        (model_lib.ModelConfig(num_experts=0, mlp_dim=96), "qwen3_moe"),
-        (model_lib.get_config("mixtral_8x7b", dispatch=model_lib.ModelConfig().dispatch), "mixtral"),
+        (model_config.ModelConfig(num_experts=0, mlp_dim=96), "qwen3_moe"),
+        (dataclasses.replace(MIXTRAL_8X7B, dispatch=model_config.ModelConfig().dispatch), "mixtral"),
     ],
     ids=["tiny", "sparse_step", "all_dense", "mixtral"],
 )
 def test_config_roundtrip(cfg, model_type):
     back = hf.config_from_hf(json.loads(json.dumps(hf.config_to_hf(cfg, model_type))))
     # HF configs describe the model, not how it runs: scan_layers, remat, logprob_chunk come back as defaults.
-    runs = {f: getattr(model_lib.ModelConfig(), f) for f in ("scan_layers", "remat", "logprob_chunk")}
+    runs = {f: getattr(model_config.ModelConfig(), f) for f in ("scan_layers", "remat", "logprob_chunk")}
     assert back == dataclasses.replace(cfg, z_loss_coef=0.0, **runs)
 
 
@@ -233,11 +256,11 @@ def test_bad_hf_config_names_field(base, change, field):
 @pytest.mark.parametrize(
     "cfg, model_type, field",
     [
-        (model_lib.get_config("tiny"), "llama", "model_type"),
-        (model_lib.get_config("tiny", qk_norm=False), "qwen3_moe", "qk_norm"),
-        (model_lib.get_config("tiny", qk_norm=False), "mixtral", "dense_layers"),
-        (model_lib.get_config("mixtral_8x7b", qk_norm=True), "mixtral", "qk_norm"),
-        (model_lib.get_config("mixtral_8x7b", renormalize_topk=False), "mixtral", "renormalize_topk"),
+        (model_config.get("tiny"), "llama", "model_type"),
+        (model_config.get("tiny", qk_norm=False), "qwen3_moe", "qk_norm"),
+        (model_config.get("tiny", qk_norm=False), "mixtral", "dense_layers"),
+        (dataclasses.replace(MIXTRAL_8X7B, qk_norm=True), "mixtral", "qk_norm"),
+        (dataclasses.replace(MIXTRAL_8X7B, renormalize_topk=False), "mixtral", "renormalize_topk"),
     ],
 )
 def test_unexpressible_config_names_field(cfg, model_type, field):
@@ -262,7 +285,7 @@ def test_export_reload_bitwise(name, tmp_path):
 
 def test_export_dense_layer_sharded_bf16(tmp_path):
     """A random bf16 model with a dense layer, tied embeddings and moe_every=2, written in several shards."""
-    cfg = model_lib.ModelConfig(
+    cfg = model_config.ModelConfig(
         vocab_size=64,
         embed_dim=16,
         num_layers=4,
@@ -312,6 +335,24 @@ def test_tokenizer_passthrough(tmp_path):
 
 
 # ------------------------------------------------------------------ layouts and dtypes
+
+
+def test_stacked_and_per_layer_params_round_trip():
+    cfg = model_config.get("tiny")
+    _, state = nnx.split(model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
+    stacked = hf.state_to_params(state)
+    per_layer = hf.stacked_to_layers(cfg, stacked)
+    router = stacked[("stacks", 1, "layer", "mlp", "router")]  # [layers 1..2, D, E]
+    assert router.shape == (2, cfg.embed_dim, cfg.num_experts)
+    np.testing.assert_array_equal(per_layer[("layers", 2, "mlp", "router")], router[1])
+    assert {k[1] for k in per_layer if k[0] == "layers"} == {0, 1, 2}
+    back = hf.layers_to_stacked(cfg, per_layer)
+    assert back.keys() == stacked.keys()
+    for k in stacked:
+        np.testing.assert_array_equal(back[k], stacked[k])
+    del per_layer[("layers", 1, "mlp", "up_proj")]
+    with pytest.raises(ValueError, match=r"no \('mlp', 'up_proj'\) for layers \[1\]"):
+        hf.layers_to_stacked(cfg, per_layer)
 
 
 def test_bf16_fused_layout_from_transformers():

@@ -12,7 +12,7 @@ import pytest
 from absl.testing import parameterized
 from flax import nnx
 
-from gspo_jax import compiles, losses, moe, sharding
+from gspo_jax import compiles, logprobs, model_config, moe, sharding
 from gspo_jax import model as model_lib
 
 B, T = 2, 8
@@ -25,7 +25,7 @@ def build(cfg, seed=0):
 @functools.cache
 def tiny_model():
     """The tiny config, built once: (cfg, graphdef, state). Shared by the chex test classes and the fixture."""
-    cfg = model_lib.get_config("tiny")
+    cfg = model_config.get("tiny")
     graphdef, state = build(cfg)
     return cfg, graphdef, state
 
@@ -73,12 +73,12 @@ def set_routers(state, value_fn):
 
 
 def test_config_layer_rule():
-    cfg = model_lib.ModelConfig(num_layers=6, num_experts=4, top_k=2, moe_every=2, dense_layers=(3,))
+    cfg = model_config.ModelConfig(num_layers=6, num_experts=4, top_k=2, moe_every=2, dense_layers=(3,))
     assert cfg.moe_layer_ids == (1, 5)
     assert cfg.num_moe_layers == 2
-    assert model_lib.ModelConfig(num_layers=3, num_experts=0).moe_layer_ids == ()
-    assert model_lib.get_config("tiny").moe_layer_ids == (1, 2)
-    assert model_lib.get_config("qwen3_30b_a3b").num_moe_layers == 48
+    assert model_config.ModelConfig(num_layers=3, num_experts=0).moe_layer_ids == ()
+    assert model_config.get("tiny").moe_layer_ids == (1, 2)
+    assert model_config.get("qwen3_30b_a3b").num_moe_layers == 48
 
 
 @pytest.mark.parametrize(
@@ -107,16 +107,16 @@ def test_config_layer_rule():
 )
 def test_bad_config_raises(overrides, field):
     with pytest.raises(ValueError, match=field):
-        model_lib.ModelConfig(**overrides)
+        model_config.ModelConfig(**overrides)
 
 
 def test_all_moe_config_needs_no_dense_width():
-    cfg = model_lib.ModelConfig(num_experts=4, top_k=2, mlp_dim=0)
+    cfg = model_config.ModelConfig(num_experts=4, top_k=2, mlp_dim=0)
     assert cfg.num_moe_layers == cfg.num_layers
 
 
 def test_qwen3_30b_a3b_param_count():
-    cfg = model_lib.get_config("qwen3_30b_a3b")
+    cfg = model_config.get("qwen3_30b_a3b")
     total, active = model_lib.count_params(cfg)
     assert total == 30_532_122_624  # what Hugging Face reports for Qwen3-30B-A3B
     # Everything but the experts, plus top_k/num_experts of them.
@@ -138,7 +138,7 @@ class TestForward(chex.TestCase):
     @chex.variants(with_jit=True)
     @parameterized.named_parameters(("float32", "float32"), ("bfloat16", "bfloat16"))
     def test_shapes_and_dtypes(self, dtype):
-        cfg = model_lib.get_config("tiny", param_dtype=dtype, dtype=dtype)
+        cfg = model_config.get("tiny", param_dtype=dtype, dtype=dtype)
         graphdef, state = build(cfg)
         assert all(x.dtype == jnp.dtype(dtype) for x in jax.tree.leaves(state))
         fn = self.variant(fwd(graphdef, return_router_logits=True))
@@ -162,7 +162,7 @@ class TestForward(chex.TestCase):
 
     @chex.variants(with_jit=True)
     def test_dense_model_has_empty_topk(self):
-        cfg = model_lib.ModelConfig(num_layers=2, num_experts=0, top_k=3)
+        cfg = model_config.ModelConfig(num_layers=2, num_experts=0, top_k=3)
         graphdef, state = build(cfg)
         logits, aux = self.variant(fwd(graphdef, return_router_logits=True))(
             state, random_tokens(1), arange_positions()
@@ -174,7 +174,7 @@ class TestForward(chex.TestCase):
 
     @chex.variants(with_jit=True)
     def test_tied_embeddings(self):
-        cfg = model_lib.get_config("tiny", tie_embeddings=True)
+        cfg = model_config.get("tiny", tie_embeddings=True)
         graphdef, state = build(cfg)
         assert "lm_head" not in state
         logits, _ = self.variant(fwd(graphdef))(state, random_tokens(2), arange_positions())
@@ -264,7 +264,7 @@ class TestForward(chex.TestCase):
     @chex.variants(with_jit=True)
     @parameterized.named_parameters(("ragged", "ragged"), ("sparse", "sparse"))
     def test_bfloat16_dispatch_paths_close(self, dispatch):
-        cfg = model_lib.get_config("tiny", param_dtype="bfloat16", dtype="bfloat16", dispatch="dense")
+        cfg = model_config.get("tiny", param_dtype="bfloat16", dtype="bfloat16", dispatch="dense")
         graphdef_d, state = build(cfg)
         graphdef_r, _ = build(dataclasses.replace(cfg, dispatch=dispatch))
         tokens = random_tokens(10)
@@ -276,8 +276,8 @@ class TestForward(chex.TestCase):
 def test_chunked_logprobs_equal_the_full_forward():
     """`model.logprobs` with the head in chunks of 3 positions = `sequence_logprobs` of `apply`'s logits,
     for values, router top-k and the gradient of every parameter. Tied embeddings: the head's gradient
-    and the embedding lookup's meet in one parameter (the untied head: tests/test_losses.py)."""
-    cfg = dataclasses.replace(model_lib.get_config("tiny"), tie_embeddings=True, dispatch="dense")
+    and the embedding lookup's meet in one parameter (the untied head: tests/test_logprobs.py)."""
+    cfg = dataclasses.replace(model_config.get("tiny"), tie_embeddings=True, dispatch="dense")
     graphdef, state = model_lib.init(cfg, 0)
     g_chunked, _ = model_lib.abstract_model(dataclasses.replace(cfg, logprob_chunk=3))
     tokens, positions = random_tokens(1), arange_positions()
@@ -285,7 +285,7 @@ def test_chunked_logprobs_equal_the_full_forward():
 
     def full(state):
         logits, aux = model_lib.apply(graphdef, state, tokens, positions)
-        return losses.sequence_logprobs(logits, tokens, 0.7), aux.topk
+        return logprobs.sequence_logprobs(logits, tokens, 0.7), aux.topk
 
     def by_chunks(state):
         logp, aux = model_lib.logprobs(g_chunked, state, tokens, positions, temperature=0.7)
@@ -303,7 +303,7 @@ def test_scoring_in_batch_chunks_equals_the_whole_batch():
     routing as at once, with and without a replayed routing; each chunk is split over all 8 devices
     (XLA counts the loop body once: a quarter of the whole batch's FLOPs, not 8 × that), and the
     result is sharded like the batch."""
-    cfg = dataclasses.replace(model_lib.get_config("tiny"), dispatch="dense")
+    cfg = dataclasses.replace(model_config.get("tiny"), dispatch="dense")
     graphdef, state = model_lib.init(cfg, 0)
     g_chunked, _ = model_lib.abstract_model(dataclasses.replace(cfg, batch_chunks=4))
     mesh = sharding.make_mesh(data=8)
@@ -340,11 +340,11 @@ def test_in_batch_chunks_by_hand():
 
 def test_layer_runs_by_hand():
     """Consecutive layers of one kind form one stack."""
-    assert model_lib.get_config("tiny").layer_runs == ((0, 1), (1, 2))  # dense, then 2 MoE
-    assert model_lib.get_config("qwen3_30b_a3b").layer_runs == ((0, 48),)
-    cfg = model_lib.ModelConfig(num_layers=6, num_experts=4, top_k=2, moe_every=2, dense_layers=(3,))
+    assert model_config.get("tiny").layer_runs == ((0, 1), (1, 2))  # dense, then 2 MoE
+    assert model_config.get("qwen3_30b_a3b").layer_runs == ((0, 48),)
+    cfg = model_config.ModelConfig(num_layers=6, num_experts=4, top_k=2, moe_every=2, dense_layers=(3,))
     assert cfg.layer_runs == ((0, 1), (1, 1), (2, 3), (5, 1))  # MoE layers 1 and 5
-    assert model_lib.ModelConfig(num_layers=3, num_experts=0).layer_runs == ((0, 3),)
+    assert model_config.ModelConfig(num_layers=3, num_experts=0).layer_runs == ((0, 3),)
 
 
 class TestLayerStacks(chex.TestCase):
@@ -396,30 +396,11 @@ class TestLayerStacks(chex.TestCase):
                 np.testing.assert_array_equal(aux_j.topk[:, 0], aux.topk[:, 0])
 
 
-def test_stacked_and_per_layer_params_round_trip(tiny):
-    cfg, _, state = tiny
-    from gspo_jax import hf
-
-    stacked = hf.state_to_params(state)
-    per_layer = model_lib.stacked_to_layers(cfg, stacked)
-    router = stacked[("stacks", 1, "layer", "mlp", "router")]  # [layers 1..2, D, E]
-    assert router.shape == (2, cfg.embed_dim, cfg.num_experts)
-    np.testing.assert_array_equal(per_layer[("layers", 2, "mlp", "router")], router[1])
-    assert {k[1] for k in per_layer if k[0] == "layers"} == {0, 1, 2}
-    back = model_lib.layers_to_stacked(cfg, per_layer)
-    assert back.keys() == stacked.keys()
-    for k in stacked:
-        np.testing.assert_array_equal(back[k], stacked[k])
-    del per_layer[("layers", 1, "mlp", "up_proj")]
-    with pytest.raises(ValueError, match=r"no \('mlp', 'up_proj'\) for layers \[1\]"):
-        model_lib.layers_to_stacked(cfg, per_layer)
-
-
 def test_compiled_program_size_is_flat_in_depth():
     """Scanned, a 2-layer and an 8-layer model lower to programs of about one size; unrolled, not."""
 
     def hlo_size(**overrides):
-        cfg = model_lib.ModelConfig(num_experts=4, top_k=2, **overrides)
+        cfg = model_config.ModelConfig(num_experts=4, top_k=2, **overrides)
         graphdef, state = model_lib.abstract_model(cfg)
         tokens, positions = jnp.zeros((B, T), jnp.int32), arange_positions()
         grad = jax.grad(lambda s: model_lib.apply(graphdef, s, tokens, positions)[0].sum())
@@ -431,7 +412,7 @@ def test_compiled_program_size_is_flat_in_depth():
 
 
 def test_init_is_one_program_and_seeded(compile_counter):
-    cfg = model_lib.get_config("tiny", num_layers=4)
+    cfg = model_config.get("tiny", num_layers=4)
     graphdef, state = model_lib.init(cfg, seed=3)
     assert compile_counter.count == 1
     _, abstract = model_lib.abstract_model(cfg)
@@ -448,7 +429,7 @@ def test_init_is_one_program_and_seeded(compile_counter):
 def test_init_at_fast_compile_options_draws_the_same_bits(fully_optimised):
     # model.init compiles at compiles.run_once_options() (LLVM -O1 on CPU, and the older loop emitters where
     # XLA still has them): the draw must not change.
-    cfg = model_lib.get_config("tiny", num_layers=2)
+    cfg = model_config.get("tiny", num_layers=2)
     lowered = jax.jit(model_lib._random_state, static_argnums=0).lower(cfg, np.int32(0))
     default = lowered.compile()(np.int32(5))
     fast = lowered.compile(compiler_options=compiles.run_once_options())(np.int32(5))
@@ -701,7 +682,7 @@ def test_prefill_into_an_empty_cache_equals_the_cache_path():
 
 
 def test_cache_pytree_roundtrip():
-    cfg = model_lib.get_config("tiny")
+    cfg = model_config.get("tiny")
     cache = model_lib.init_cache(cfg, 2, 4)
     leaves, treedef = jax.tree.flatten(cache)
     assert len(leaves) == 2 * cfg.num_layers + 2

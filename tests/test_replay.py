@@ -15,6 +15,7 @@ from test_train import Setup, values
 
 from gspo_jax import iteration as iteration_lib
 from gspo_jax import model as model_lib
+from gspo_jax import model_config
 from gspo_jax.config import base_config
 from gspo_jax.sampler import Sampler, left_pad
 
@@ -52,7 +53,7 @@ def fake_rollout(s: Setup, seed=0):
         prompt_mask=pmask,
         completion_mask=cmask,
         loss_mask=cmask.astype(np.float32),
-        old_logp=sampler_logp,
+        sampler_logp=sampler_logp,
         topk=sampler_topk.astype(np.int32),
         gates=gates / gates.sum(-1, keepdims=True),
         advantages=rng.normal(0, 1, B).astype(np.float32),
@@ -106,7 +107,7 @@ def test_with_the_samplers_log_probs_the_ratio_is_the_mismatch_under_one_routing
     replayed, _ = s.programs.score_replayed(s.params, tokens, positions, jnp.asarray(rollout.topk)[rows])
     live, _ = s.programs.score(s.params, tokens, positions)
     mask = rollout.completion_mask[rows]
-    log_r = (np.asarray(replayed) - rollout.old_logp[rows])[mask]
+    log_r = (np.asarray(replayed) - rollout.sampler_logp[rows])[mask]
     assert m["ratio_min"] == pytest.approx(np.exp(log_r.min()), rel=1e-5)
     assert m["ratio_max"] == pytest.approx(np.exp(log_r.max()), rel=1e-5)
     assert np.abs(np.asarray(live) - np.asarray(replayed))[mask].max() > 1e-3  # the routing term it leaves out
@@ -116,7 +117,7 @@ def test_replaying_ids_and_weights_reproduces_the_samplers_forward():
     """A float32 sampler whose router differs from the trainer's (every other weight equal): replaying
     its expert ids and combine weights gives the trainer the sampler's log-probs to float tolerance,
     ids alone do not, and the router still gets a gradient through the live gates (straight-through)."""
-    cfg = model_lib.get_config("tiny", num_layers=2, dense_layers=(), num_experts=4)
+    cfg = model_config.get("tiny", num_layers=2, dense_layers=(), num_experts=4)
     assert cfg.dtype == "float32"
     graphdef, params = nnx.split(model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
     shift = lambda path, x: x + 0.5 * jax.random.normal(jax.random.key(1), x.shape) if "router" in str(path) else x
@@ -127,7 +128,8 @@ def test_replaying_ids_and_weights_reproduces_the_samplers_forward():
     positions = model_lib.positions_from_mask(out.prompt_mask | out.completion_mask)
     score = jax.jit(functools.partial(model_lib.logprobs, graphdef))
     cm = np.asarray(out.completion_mask)
-    error = lambda forced: np.abs(np.asarray(score(params, out.tokens, positions, forced)[0]) - out.logp)[cm].max()
+    logp = lambda forced: np.asarray(score(params, out.tokens, positions, forced)[0])
+    error = lambda forced: np.abs(logp(forced) - out.sampler_logp)[cm].max()
     assert error((out.topk, out.gates)) < 1e-5
     assert error(out.topk) > 1e-3 and error(None) > 1e-3  # ids alone leave the gates' difference
 

@@ -9,13 +9,15 @@ import pytest
 from flax import nnx
 
 from gspo_jax import model as model_lib
+from gspo_jax import model_config, sharding
 from gspo_jax.advantages import overlong_penalty
 from gspo_jax.algorithms import ALGORITHMS
 from gspo_jax.evaluate import SAMPLED_KEY_OFFSET, evaluate
 from gspo_jax.losses import policy_loss
-from gspo_jax.rollout import Rollout, RolloutConfig, select_groups
-from gspo_jax.sampler import Sampler
+from gspo_jax.rollout import Rollout, RolloutBatch, RolloutConfig, select_groups
+from gspo_jax.sampler import SampleOutput, Sampler
 from gspo_jax.tasks import Example, TaskPrompts, load_tokenizer, prompt_iterator
+from gspo_jax.train import TrainBatch
 
 GROUPS, G, P, N = 4, 4, 8, 6
 
@@ -46,7 +48,7 @@ class CoinTask:
 
 @pytest.fixture(scope="module")
 def env():
-    cfg = model_lib.get_config("tiny")
+    cfg = model_config.get("tiny")
     graphdef, state = nnx.split(model_lib.Transformer(cfg, rngs=nnx.Rngs(1)))
     sampler = Sampler(graphdef, cfg, GROUPS * G, P, N)
     return state, sampler, load_tokenizer()
@@ -60,9 +62,28 @@ def make(env, task=CoinTask(), **kw):
 
 def check_shapes(batch, cfg):
     B, T = GROUPS * G, P + N
-    assert batch.tokens.shape == (B, T) and batch.loss_mask.shape == (B, T) and batch.old_logp.shape == (B, T)
+    assert batch.tokens.shape == (B, T) and batch.loss_mask.shape == (B, T) and batch.sampler_logp.shape == (B, T)
     assert batch.rewards.shape == (B,) and batch.advantages.shape == (B,) and batch.group_ids.shape == (B,)
     assert batch.topk.shape == (B, cfg.num_moe_layers, T, cfg.top_k)
+
+
+def test_a_batch_array_has_one_name_and_one_placement_from_the_sampler_to_the_trainer():
+    """The sampler's output, the rollout and the trainer's batch name their fields from one table, and
+    place them by it: a field that passes through keeps its name, its dtype and its sharding."""
+    names = lambda cls: [f.name for f in dataclasses.fields(cls)]
+    sample, rollout, train = names(SampleOutput), names(RolloutBatch), names(TrainBatch)
+    assert set(sample) <= set(rollout) and set(sample + rollout + train) <= set(sharding.BATCH_FIELDS)
+    assert "old_logp" not in rollout and "logp" not in sample  # π_old's exists in the trainer's batch only
+    spec = TrainBatch.spec(critic=False, weight_replay=True, old_router=True)
+    assert spec == {k: sharding.BATCH_FIELDS[k] for k in spec}
+    mesh, cfg = sharding.make_mesh(data=2, expert=2, tensor=2), model_config.get("tiny")
+    graphdef, state = model_lib.abstract_model(cfg)
+    sampler = Sampler(graphdef, cfg, 8, P, N, mesh=mesh, state=state, record_gates=True)
+    by_train = TrainBatch.shardings(mesh, critic=False, weight_replay=True)
+    shared = set(sample) & set(train)
+    assert shared == {"tokens", "completion_mask", "sampler_logp", "topk", "gates"}
+    for k in shared:
+        assert getattr(sampler._out_shardings, k) == getattr(by_train, k), k
 
 
 def test_select_groups_prefers_informative_groups_in_order():
@@ -81,7 +102,7 @@ def test_dynamic_sampling_keeps_only_informative_groups(env, compile_counter):
     compile_counter.reset()
     batch, met = rollout(state, it, jax.random.key(0))
     assert compile_counter.count == 0  # several generation rounds, one compiled sampler
-    check_shapes(batch, model_lib.get_config("tiny"))
+    check_shapes(batch, model_config.get("tiny"))
     r = batch.rewards.reshape(GROUPS, G)
     assert met["groups_short"] == 0 and met["groups_kept"] == GROUPS
     assert np.all(r.max(1) != r.min(1))  # no zero-variance group was kept
@@ -105,15 +126,15 @@ def test_shortfall_is_filled_with_zero_weight_groups_that_leave_the_loss_unchang
         if 0 < met["groups_short"] < GROUPS:
             break
     assert 0 < met["groups_short"] < GROUPS, met
-    check_shapes(batch, model_lib.get_config("tiny"))
+    check_shapes(batch, model_config.get("tiny"))
     filled = np.repeat(np.arange(GROUPS) >= GROUPS - met["groups_short"], G)
     assert np.all(batch.loss_mask[filled] == 0) and np.all(batch.advantages[filled] == 0)
-    logp = jnp.asarray(batch.old_logp) + 0.05 * jax.random.normal(jax.random.key(0), batch.old_logp.shape)
+    logp = jnp.asarray(batch.sampler_logp) + 0.05 * jax.random.normal(jax.random.key(0), batch.sampler_logp.shape)
     for name in ("grpo", "dapo", "gspo"):
         cfg = dataclasses.replace(ALGORITHMS[name].loss, kl_coef=0.0)
-        full, m_full = policy_loss(cfg, logp, batch.old_logp, batch.advantages, batch.loss_mask)
+        full, m_full = policy_loss(cfg, logp, batch.sampler_logp, batch.advantages, batch.loss_mask)
         kept, m_kept = policy_loss(
-            cfg, logp[~filled], batch.old_logp[~filled], batch.advantages[~filled], batch.loss_mask[~filled]
+            cfg, logp[~filled], batch.sampler_logp[~filled], batch.advantages[~filled], batch.loss_mask[~filled]
         )
         np.testing.assert_allclose(full, kept, rtol=1e-6)
         assert float(m_full["denominator"].compute()) == float(m_kept["denominator"].compute())

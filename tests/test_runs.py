@@ -24,7 +24,7 @@ from gspo_jax import iteration as iteration_lib
 from gspo_jax import programs as programs_lib
 from gspo_jax import run as run_lib
 from gspo_jax.checkpoint import Checkpointer
-from gspo_jax.config import base_config, build, update_microbatches
+from gspo_jax.config import as_json, base_config, build, update_microbatches
 from gspo_jax.validation import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -267,7 +267,7 @@ def test_a_run_on_a_mesh_smaller_than_the_devices_warns_naming_the_idle_ones(tmp
 
     monkeypatch.setattr(programs_lib, "init_policy", stop)  # the run stops right after building its mesh
     with pytest.raises(Stop):
-        run_lib.train_and_evaluate(base_config("gspo", "tiny"), tmp_path, progress=False)  # a mesh of 1 of 8
+        run_lib.train_and_evaluate(build(base_config("gspo", "tiny")), tmp_path, progress=False)  # a mesh of 1 of 8
     [warning] = [r.getMessage() for r in caplog.records if r.name == "gspo_jax.sharding"]
     assert "uses 1 of this process's 8 devices; idle: cpu:1, cpu:2, cpu:3, cpu:4, cpu:5, cpu:6, cpu:7" in warning
 
@@ -357,13 +357,13 @@ def test_a_filesystem_without_locks_runs_unguarded_and_says_so(tmp_path, monkeyp
 
 def test_a_changed_config_is_refused_listing_the_keys_unless_allowed(tmp_path):
     grpo = base_config("grpo", "tiny")
-    workdir.record_config(tmp_path, grpo, [])
+    workdir.record_config(tmp_path, as_json(grpo), [])
     before = snapshot(tmp_path)
 
     gspo = base_config("gspo", "tiny")
     gspo.model.embed_dim = 32
     with pytest.raises(ConfigError) as e:
-        workdir.check_config(tmp_path, gspo, allow_change=False)
+        workdir.check_config(tmp_path, as_json(gspo), allow_change=False)
     message = str(e.value)
     assert "\n" not in message
     for key in ("algorithm: 'grpo' -> 'gspo'", "loss.ratio: 'token' -> 'sequence'", "model.embed_dim: 64 -> 32"):
@@ -372,17 +372,17 @@ def test_a_changed_config_is_refused_listing_the_keys_unless_allowed(tmp_path):
 
     longer = base_config("grpo", "tiny")
     longer.train.num_iterations, longer.train.eval_every = 10, 5  # resumable keys
-    assert workdir.check_config(tmp_path, longer, allow_change=False) == []
+    assert workdir.check_config(tmp_path, as_json(longer), allow_change=False) == []
 
-    changes = workdir.check_config(tmp_path, gspo, allow_change=True)
-    workdir.record_config(tmp_path, gspo, changes)
+    changes = workdir.check_config(tmp_path, as_json(gspo), allow_change=True)
+    workdir.record_config(tmp_path, as_json(gspo), changes)
     kept = [p for p in tmp_path.glob("config.*.json")]
     assert len(kept) == 1 and json.loads(kept[0].read_text())["algorithm"] == "grpo"
     assert json.loads((tmp_path / "config.json").read_text())["algorithm"] == "gspo"
 
 
 def test_cli_refuses_a_changed_algorithm_on_an_existing_workdir(tmp_path):
-    workdir.record_config(tmp_path, base_config("grpo", "tiny"), [])
+    workdir.record_config(tmp_path, as_json(base_config("grpo", "tiny")), [])
     before = snapshot(tmp_path)
     r = cli("--config", "configs/gspo.py:tiny", "--workdir", str(tmp_path))
     assert r.returncode == EXIT_REFUSED
@@ -395,7 +395,7 @@ def test_checkpoints_that_do_not_restore_stop_the_run_instead_of_training_withou
         ckpt.save(3, {"w": jnp.zeros(3)}, {"iteration": 2, "prompts": {}}, force=True)
     c = base_config("gspo", "tiny")
     with pytest.raises(checkpoint.CheckpointMismatch, match="use a new workdir"):
-        run_lib.train_and_evaluate(c, tmp_path, progress=False)
+        run_lib.train_and_evaluate(build(c), tmp_path, progress=False)
     assert not (tmp_path / "metrics.jsonl").exists()
 
 
@@ -461,17 +461,17 @@ def test_sigint_stops_like_sigterm_and_a_second_one_stops_at_once(tmp_path, monk
     c.train.num_iterations = 4
     with monkeypatch.context() as m, pytest.raises(run_lib.StoppedEarly, match="SIGINT after iteration 0"):
         _signal_after(m, 0, signal.SIGINT)
-        run_lib.train_and_evaluate(c, tmp_path, progress=False)
+        run_lib.train_and_evaluate(build(c), tmp_path, progress=False)
     assert Checkpointer(tmp_path / "checkpoints").all_steps() == [1]
     assert rows(tmp_path) == [0, 1]
 
     with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
         _signal_after(m, 2, signal.SIGINT, signal.SIGINT)  # after iteration 2 wrote its row, before its save
-        run_lib.train_and_evaluate(c, tmp_path, progress=False)
+        run_lib.train_and_evaluate(build(c), tmp_path, progress=False)
     assert Checkpointer(tmp_path / "checkpoints").all_steps() == [1, 2]
     assert rows(tmp_path) == [0, 1, 2]
 
-    run_lib.train_and_evaluate(c, tmp_path, progress=False)  # resumes from step 2 and finishes
+    run_lib.train_and_evaluate(build(c), tmp_path, progress=False)  # resumes from step 2 and finishes
     assert rows(tmp_path) == [0, 1, 2, 3, 4]
 
 
@@ -488,10 +488,10 @@ def test_after_a_crash_metrics_hold_one_row_per_step(tmp_path, monkeypatch):
 
     with monkeypatch.context() as m, pytest.raises(RuntimeError, match="died"):
         m.setattr(iteration_lib, "rl_iteration", crash_in_iteration_3)
-        run_lib.train_and_evaluate(c, tmp_path, progress=False)
+        run_lib.train_and_evaluate(build(c), tmp_path, progress=False)
     assert rows(tmp_path) == [0, 1, 2, 3]  # step 3 is past the last checkpoint (2)
     assert Checkpointer(tmp_path / "checkpoints").all_steps() == [2]
-    run_lib.train_and_evaluate(c, tmp_path, progress=False)
+    run_lib.train_and_evaluate(build(c), tmp_path, progress=False)
     assert rows(tmp_path) == [0, 1, 2, 3, 4]
 
 
@@ -525,7 +525,7 @@ def test_a_run_whose_updates_overflow_warns_once_per_iteration_and_saves_only_fi
     c = base_config("gspo", "tiny")
     c.train.update(learning_rate=3e38, weight_decay=1.0, warmup_steps=0, num_iterations=2)
     with caplog.at_level("WARNING", logger="gspo_jax.train"):
-        metrics = run_lib.train_and_evaluate(c, tmp_path, progress=False)
+        metrics = run_lib.train_and_evaluate(build(c), tmp_path, progress=False)
     warnings = [r.getMessage() for r in caplog.records if "updates skipped" in r.getMessage()]
     assert len(warnings) == 2 and metrics["skipped"] >= 1  # iterations 0 and 1 each skipped some
     s = build(c)

@@ -12,9 +12,9 @@ import pytest
 from absl.testing import parameterized
 from flax import nnx
 
-from gspo_jax import compiles, sharding
+from gspo_jax import compiles, model_config, sharding
 from gspo_jax import model as model_lib
-from gspo_jax.losses import sequence_logprobs
+from gspo_jax.logprobs import sequence_logprobs
 from gspo_jax.sampler import Sampler, left_pad, sample_logits
 
 B, P, N = 4, 8, 10
@@ -22,7 +22,7 @@ B, P, N = 4, 8, 10
 
 @pytest.fixture(scope="module")
 def setup():
-    cfg = model_lib.get_config("tiny")
+    cfg = model_config.get("tiny")
     graphdef, state = nnx.split(model_lib.Transformer(cfg, rngs=nnx.Rngs(0)))
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(4, cfg.vocab_size, n)) for n in (3, 8, 5, 1)]
@@ -57,8 +57,8 @@ def test_logprobs_and_routing_equal_the_trainers_recomputation(setup, temperatur
     out = sampler(state, tokens, mask, jax.random.key(1), temperature=temperature, top_k=top_k, top_p=top_p)
     logp, topk, valid = full_forward_logp_topk(forward, state, out, temperature)
     cm = np.asarray(out.completion_mask)
-    np.testing.assert_allclose(np.asarray(out.logp)[cm], np.asarray(logp)[cm], atol=1e-5)
-    assert np.all(np.asarray(out.logp)[~cm] == 0)
+    np.testing.assert_allclose(np.asarray(out.sampler_logp)[cm], np.asarray(logp)[cm], atol=1e-5)
+    assert np.all(np.asarray(out.sampler_logp)[~cm] == 0)
     v = np.asarray(valid)
     a, b = np.asarray(out.topk).transpose(0, 2, 1, 3)[v], np.asarray(topk).transpose(0, 2, 1, 3)[v]  # [n, L, K]
     mismatch = np.mean(np.any(a != b, axis=-1))
@@ -80,7 +80,7 @@ def test_eos_stops_a_row_and_the_rest_are_truncated(setup):
             assert out.lengths[b] == j + 1 and not out.truncated[b]
             np.testing.assert_array_equal(gen[b, : j + 1], ref[b, : j + 1])
             assert np.all(gen[b, j + 1 :] == 0) and np.all(cm[b, : j + 1]) and not np.any(cm[b, j + 1 :])
-            assert np.all(np.asarray(out.logp)[b, P + j + 1 :] == 0)
+            assert np.all(np.asarray(out.sampler_logp)[b, P + j + 1 :] == 0)
         else:
             assert out.lengths[b] == N and out.truncated[b] and np.all(cm[b])
             np.testing.assert_array_equal(gen[b], ref[b])
@@ -118,7 +118,7 @@ def test_decode_chunks_change_nothing_even_after_every_row_stopped(setup, chunk)
     for kw in (dict(temperature=1.0), dict(temperature=0.0, eos_ids=tuple(int(t) for t in ref[:, 1]))):
         a = sampler(state, tokens, mask, jax.random.key(2), **kw)
         b = chunked(state, tokens, mask, jax.random.key(2), **kw)
-        for f in ("tokens", "logp", "completion_mask", "lengths", "truncated", "topk"):
+        for f in ("tokens", "sampler_logp", "completion_mask", "lengths", "truncated", "topk"):
             np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f)
     assert int(np.max(a.lengths)) == 2  # the second pass stopped every row at step 2 of 10
     with pytest.raises(ValueError, match="decode_chunk"):
@@ -144,7 +144,7 @@ def test_sharded_sampler_equals_unsharded(setup):
         a = sampler(state, tokens, mask, jax.random.key(3), temperature=t)
         b = s2(sharded_state, tokens, mask, jax.random.key(3), temperature=t)
         np.testing.assert_array_equal(a.tokens, b.tokens)
-        np.testing.assert_allclose(a.logp, b.logp, atol=1e-5)
+        np.testing.assert_allclose(a.sampler_logp, b.sampler_logp, atol=1e-5)
         np.testing.assert_array_equal(a.topk, b.topk)
     assert b.tokens.sharding.spec[0] == ("data", "fsdp", "expert")
 
@@ -163,7 +163,7 @@ def test_prefill_in_batch_chunks_changes_nothing(setup):
         a = one(sharded_state, tokens, mask, jax.random.key(5), temperature=t)
         b = two(sharded_state, tokens, mask, jax.random.key(5), temperature=t)
         np.testing.assert_array_equal(a.tokens, b.tokens)
-        np.testing.assert_allclose(a.logp, b.logp, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(a.sampler_logp, b.sampler_logp, rtol=1e-6, atol=1e-6)
         np.testing.assert_array_equal(a.topk, b.topk)
     chex.assert_trees_all_close(one._caches, two._caches, rtol=1e-6, atol=1e-6)
 

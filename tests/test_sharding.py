@@ -12,12 +12,12 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 from gspo_jax import model as model_lib
-from gspo_jax import sharding
+from gspo_jax import model_config, sharding
 
 
 @pytest.fixture(scope="module")
 def abstract():
-    cfg = model_lib.get_config("tiny")
+    cfg = model_config.get("tiny")
     graphdef, state = model_lib.abstract_model(cfg)
     return cfg, graphdef, state
 
@@ -84,7 +84,7 @@ def test_param_shardings(abstract):
     assert shardings["norm"]["scale"].get_value().spec == P(None)
 
     # Usable as jit in/out shardings for real params.
-    _, params = nnx.split(model_lib.Transformer(model_lib.get_config("tiny"), rngs=nnx.Rngs(0)))
+    _, params = nnx.split(model_lib.Transformer(model_config.get("tiny"), rngs=nnx.Rngs(0)))
     placed = jax.jit(lambda s: jax.tree.map(lambda x: x * 2, s), in_shardings=(shardings,), out_shardings=shardings)(
         params
     )
@@ -128,14 +128,14 @@ def test_opt_state_mismatched_rank_is_replicated():
 def test_batch_and_cache_shardings():
     mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
     assert sharding.batch_sharding(mesh, 2).spec == P(("data", "fsdp", "expert"), None)
-    cache = jax.eval_shape(lambda: model_lib.init_cache(model_lib.get_config("tiny"), 4, 16))
+    cache = jax.eval_shape(lambda: model_lib.init_cache(model_config.get("tiny"), 4, 16))
     cs = sharding.cache_shardings(mesh, cache)
     assert isinstance(cs, model_lib.KVCache)
-    assert len(cs.k) == len(cs.v) == model_lib.get_config("tiny").num_layers
+    assert len(cs.k) == len(cs.v) == model_config.get("tiny").num_layers
     assert all(x.spec == P(("data", "fsdp", "expert"), "tensor", None, None) for x in cs.k + cs.v)
     assert cs.positions.spec == P(("data", "fsdp", "expert"), None)
     assert cs.index.spec == P()
-    placed = jax.device_put(model_lib.init_cache(model_lib.get_config("tiny"), 4, 16), cs)
+    placed = jax.device_put(model_lib.init_cache(model_config.get("tiny"), 4, 16), cs)
     assert all(x.sharding.spec == want.spec for x, want in zip(placed.k + placed.v, cs.k + cs.v))
 
 

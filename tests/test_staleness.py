@@ -97,7 +97,7 @@ def test_a_stale_run_samples_with_the_lagged_policy_logs_its_drift_and_resumes_b
     seen = {"current": [], "sampled": [], "scored": []}
     with monkeypatch.context() as m:
         _spy(m, seen)
-        run_lib.train_and_evaluate(c, tmp_path / "full", progress=False)
+        run_lib.train_and_evaluate(build(c), tmp_path / "full", progress=False)
     current, sampled, scored = seen["current"], seen["sampled"], seen["scored"]
     assert len(current) == len(scored) == len(sampled) == 3  # (evaluation samples with `Rollout.sample`)
     for i, behaviour in enumerate((current[0], current[0], current[1])):
@@ -114,8 +114,8 @@ def test_a_stale_run_samples_with_the_lagged_policy_logs_its_drift_and_resumes_b
 
     with monkeypatch.context() as m, pytest.raises(run_lib.StoppedEarly):
         _sigterm_after(m, 1)
-        run_lib.train_and_evaluate(c, tmp_path / "resumed", progress=False)
-    run_lib.train_and_evaluate(c, tmp_path / "resumed", progress=False)
+        run_lib.train_and_evaluate(build(c), tmp_path / "resumed", progress=False)
+    run_lib.train_and_evaluate(build(c), tmp_path / "resumed", progress=False)
     resumed = {r["step"]: r for r in _metrics(tmp_path / "resumed")}
     for key in ("loss", "reward_mean", "stale_router_flip_rate", "policy_lag"):
         assert resumed[3][key] == rows[3][key], key

@@ -152,7 +152,7 @@ def test_a_bfloat16_sampler_shows_a_mismatch_the_float32_trainer_measures(tmp_pa
     c.rollout.dtype = "bfloat16"
     c.warm_start.steps = 0
     c.train.update(num_iterations=1, minibatches=1, eval_every=10)
-    run_lib.train_and_evaluate(c, tmp_path, progress=False)
+    run_lib.train_and_evaluate(build(c), tmp_path, progress=False)
     row = _metrics(tmp_path)[1]
     assert 1e-3 < row["mismatch_logp_abs_mean"] <= row["old_logp_max_diff"]  # float32 alone: < 1e-4
     assert 0.0 < row["mismatch_kl_k3"] < 0.1
@@ -303,7 +303,7 @@ def test_on_policy_step_equals_the_step_on_a_scored_batch(algorithm, microbatche
     s1, m1, scored = shared.step(junk)
     s2, m2, none = scored_first.step(batch.replace(old_logp=logp, topk=topk))
     assert none is None
-    np.testing.assert_allclose(scored.logp, logp, rtol=1e-6, atol=1e-6)
+    np.testing.assert_allclose(scored.old_logp, logp, rtol=1e-6, atol=1e-6)
     np.testing.assert_array_equal(scored.topk, topk)
     m1, m2 = values(m1), values(m2)
     assert m1["clip_frac"] == 0.0 and m1["approx_kl"] == 0.0  # ratios exactly 1
@@ -471,15 +471,16 @@ def _sigterm_after(monkeypatch, iteration):
 def test_tiny_end_to_end_compiles_once_checkpoints_and_resumes_bitwise(tmp_path, compile_counter, monkeypatch):
     c = tiny("grpo")  # KL to the reference: exercises the ref model path too
     jax.clear_caches()  # as in a fresh process: earlier tests compiled the same functions
-    run_lib.train_and_evaluate(c, tmp_path / "full", progress=False)
+    built = build(c)
+    run_lib.train_and_evaluate(built, tmp_path / "full", progress=False)
 
     with monkeypatch.context() as m, pytest.raises(run_lib.StoppedEarly):
         _sigterm_after(m, 0)  # "interrupted" after iteration 1
-        run_lib.train_and_evaluate(c, tmp_path / "resumed", progress=False)
+        run_lib.train_and_evaluate(built, tmp_path / "resumed", progress=False)
     compile_counter.reset()
-    run_lib.train_and_evaluate(c, tmp_path / "resumed", progress=False)  # same process: resumes, compiles nothing
+    run_lib.train_and_evaluate(built, tmp_path / "resumed", progress=False)  # same process: resumes, compiles nothing
     assert compile_counter.count == 0
-    assert run_lib.train_and_evaluate(c, tmp_path / "resumed", progress=False) == {}  # nothing left to do
+    assert run_lib.train_and_evaluate(built, tmp_path / "resumed", progress=False) == {}  # nothing left to do
 
     for a, b in zip(_final_params(tmp_path / "full", c), _final_params(tmp_path / "resumed", c)):
         np.testing.assert_array_equal(a, b)  # bitwise
@@ -537,7 +538,7 @@ def test_one_update_per_batch_shares_the_old_forward_and_subsamples_drift(tmp_pa
     for source in ("trainer", "sampler"):
         c = tiny("gspo")
         c.train.update(minibatches=1, num_iterations=1, old_logp_source=source, drift_subsample=2)
-        run_lib.train_and_evaluate(c, tmp_path / source, progress=False)
+        run_lib.train_and_evaluate(build(c), tmp_path / source, progress=False)
         rows[source] = _metrics(tmp_path / source)[1]
     shared, sampler = rows["trainer"], rows["sampler"]
     assert shared["reward_mean"] == sampler["reward_mean"]  # the same rollout
@@ -621,7 +622,7 @@ def test_sigterm_saves_a_checkpoint_and_stops_at_the_iteration_boundary(tmp_path
     c = tiny("dapo")
     c.train.checkpoint_every = 100  # only the preemption save can write step 1
     with pytest.raises(run_lib.StoppedEarly, match="SIGTERM after iteration 0"):
-        run_lib.train_and_evaluate(c, tmp_path, progress=False)
+        run_lib.train_and_evaluate(build(c), tmp_path, progress=False)
     assert Checkpointer(tmp_path / "checkpoints").all_steps() == [1]
     assert [r["step"] for r in _metrics(tmp_path)] == [0, 1]
 
@@ -632,7 +633,7 @@ def test_a_sigterm_during_the_last_iteration_lets_the_run_finish(tmp_path, monke
     c = tiny("dapo")
     c.train.update(num_iterations=2, checkpoint_every=100)
     _sigterm_after(monkeypatch, 1)
-    run_lib.train_and_evaluate(c, tmp_path, progress=False)  # no StoppedEarly
+    run_lib.train_and_evaluate(build(c), tmp_path, progress=False)  # no StoppedEarly
     assert Checkpointer(tmp_path / "checkpoints").all_steps() == [2]
     assert list((tmp_path / "plots").glob("*.png"))
 

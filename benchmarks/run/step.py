@@ -9,13 +9,13 @@ import numpy as np
 from benchmarks.run.shapes import pieces, random_batch, shape_config
 from benchmarks.run.timing import best_time, call_times
 from gspo_jax import losses
-from gspo_jax import model as model_lib
 from gspo_jax import programs as programs_lib
 from gspo_jax.algorithms import ALGORITHMS
 from gspo_jax.flops import train_flops
+from gspo_jax.model_config import ModelConfig
 
 
-def train_step_times(c, repeats: int, min_seconds: float = 0.0) -> tuple[list[float], int, int, model_lib.ModelConfig]:
+def train_step_times(c, repeats: int, min_seconds: float = 0.0) -> tuple[list[float], int, int, ModelConfig]:
     built, _, params, programs = pieces(c)
     B = built.batch_size // built.train.minibatches
     batch = jax.device_put(random_batch(programs, params, B, c.prompt_len, c.max_new_tokens), programs.batch_shardings)
@@ -28,7 +28,7 @@ def train_step_times(c, repeats: int, min_seconds: float = 0.0) -> tuple[list[fl
     return call_times(step, repeats, min_seconds), B, c.prompt_len + c.max_new_tokens, built.model
 
 
-def train_step_time(c, repeats: int) -> tuple[float, int, int, model_lib.ModelConfig]:
+def train_step_time(c, repeats: int) -> tuple[float, int, int, ModelConfig]:
     times, B, T, cfg = train_step_times(c, repeats)
     return min(times), B, T, cfg
 

@@ -3,7 +3,7 @@ finer MoE on long completions (configs/study/deep_moe.py: 8 MoE layers of 64 exp
 worked sums, bf16 sampler, 4 updates per rollout), against the same regime made on-policy (one update
 per rollout, float32 sampler) and a dense model of the same active size. Stage 1: seed 0 at the
 config's lr 3e-4. Stage 2 (added after stage 1's seed 0, see ANALYSIS): seed 0 at lr 1e-4, then seeds
-1-4 of the three cells the criterion reads at lr 1e-4; stage 1's other cells last. 25 runs of 60
+1-4 of the three cells the criterion reads at lr 1e-4; stage 1's other cells last. 26 runs of 60
 iterations.
 
     python scripts/sweep.py configs/sweeps/mechanism_search.py --workroot results/mechanism_search --parallel 2
