@@ -86,25 +86,12 @@ def compile_programs(built: config_lib.Built, graphdef, params, mesh: jax.shardi
     batch_sh = TrainBatch.shardings(
         mesh, bool(critic_cfg), weight_replay=t.routing_replay == "R3W", old_router=old_router
     )
-    forced_sh = (batch_sh.topk, batch_sh.gates) if batch_sh.gates is not None else batch_sh.topk
     scored_sh = Scored(old_logp=batch_sh.old_logp, topk=batch_sh.topk)
-    critic_static = estimate = init_critic = None
     options = compiles.step_options(built.cpu_fast_compile)  # XLA:CPU's fast-compile code generation or not
+    critic_static = estimate = init_critic = None
     if critic_cfg:
-        critic_graphdef, abstract_critic = critic_lib.abstract(critic_cfg.model)
-        critic_static = critic_lib.CriticStep(critic_graphdef, built.critic_optimizer, t.updates, critic_cfg.value_clip)
-        critic_sh = critic_lib.state_shardings(critic_static, abstract_critic, mesh)
+        critic_static, critic_sh, estimate, init_critic = _critic_programs(built, mesh, batch_sh, options)
         state_sh = state_sh.replace(critic=critic_sh)
-        rewards_sh = sharding_lib.field_sharding(mesh, "rewards")
-        estimate = jax.jit(
-            on_mesh(critic_lib.with_advantages),
-            static_argnums=(0, 1),
-            in_shardings=(critic_sh.params, batch_sh, rewards_sh),
-            out_shardings=(batch_sh, rep),
-            compiler_options=options,
-        )
-        estimate = Program(estimate, critic_cfg, critic_graphdef)
-        init_critic = functools.partial(critic_lib.init_state, critic_cfg, critic_static, critic_sh, built.seed + 2)
     temperature = float(built.rollout.temperature) or 1.0  # greedy rollouts are scored at temperature 1
     static = StepConfig(
         graphdef=graphdef,
@@ -126,30 +113,9 @@ def compile_programs(built: config_lib.Built, graphdef, params, mesh: jax.shardi
         donate_argnums=1,
         compiler_options=options,
     )
-    score = jax.jit(
-        on_mesh(model_lib.score),
-        static_argnums=(0, 1),
-        in_shardings=(param_sh, batch_sh.tokens, batch_sh.positions),
-        out_shardings=(batch_sh.old_logp, batch_sh.topk),
-        compiler_options=options,
+    score, score_replayed, score_router = _scoring_programs(
+        mesh, param_sh, batch_sh, options, graphdef, temperature, old_router
     )
-    score_replayed = jax.jit(
-        on_mesh(model_lib.score),
-        static_argnums=(0, 1),
-        in_shardings=(param_sh, batch_sh.tokens, batch_sh.positions, forced_sh),
-        out_shardings=(batch_sh.old_logp, batch_sh.topk),
-        compiler_options=options,
-    )
-    score_router = None
-    if old_router:  # one program, live (forced None: none, R2) or replayed (R3, R3W): one compile per run
-        score_router = jax.jit(
-            on_mesh(model_lib.score_with_router),
-            static_argnums=(0, 1),
-            in_shardings=(param_sh, batch_sh.tokens, batch_sh.positions, forced_sh),
-            out_shardings=(batch_sh.old_logp, batch_sh.topk, batch_sh.old_router_logp),
-            compiler_options=options,
-        )
-        score_router = Program(score_router, graphdef, temperature)
     drift = jax.jit(
         on_mesh(routing.measure_drift),
         static_argnums=(0, 1, 2),
@@ -161,8 +127,8 @@ def compile_programs(built: config_lib.Built, graphdef, params, mesh: jax.shardi
         train_step=Program(step, static),
         take=jax.jit(take_rows, in_shardings=(batch_sh, rep), out_shardings=batch_sh),
         take_scored=jax.jit(take_rows, in_shardings=(scored_sh, rep), out_shardings=scored_sh),
-        score=Program(score, graphdef, temperature),
-        score_replayed=Program(score_replayed, graphdef, temperature),
+        score=score,
+        score_replayed=score_replayed,
         drift=Program(drift, graphdef, temperature, t.routing_diagnostics),
         estimate=estimate,
         init_critic=init_critic,
@@ -173,6 +139,50 @@ def compile_programs(built: config_lib.Built, graphdef, params, mesh: jax.shardi
         mesh=mesh,
         score_router=score_router,
     )
+
+
+def _critic_programs(built: config_lib.Built, mesh, batch_sh: TrainBatch, options):
+    """PPO's critic: its step's static half, its state's shardings, the advantage estimate and its init."""
+    critic_cfg, rep = built.critic, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    critic_graphdef, abstract_critic = critic_lib.abstract(critic_cfg.model)
+    critic_static = critic_lib.CriticStep(
+        critic_graphdef, built.critic_optimizer, built.train.updates, critic_cfg.value_clip
+    )
+    critic_sh = critic_lib.state_shardings(critic_static, abstract_critic, mesh)
+    estimate = jax.jit(
+        sharding_lib.under_mesh(critic_lib.with_advantages, mesh=mesh),
+        static_argnums=(0, 1),
+        in_shardings=(critic_sh.params, batch_sh, sharding_lib.field_sharding(mesh, "rewards")),
+        out_shardings=(batch_sh, rep),
+        compiler_options=options,
+    )
+    init_critic = functools.partial(critic_lib.init_state, critic_cfg, critic_static, critic_sh, built.seed + 2)
+    return critic_static, critic_sh, Program(estimate, critic_cfg, critic_graphdef), init_critic
+
+
+def _scoring_programs(mesh, param_sh, batch_sh: TrainBatch, options, graphdef, temperature, old_router: bool):
+    """π_old's forwards: live-routed, replayed (R3, R3W), and with the router's log-probs (RSPO) or None."""
+    forced_sh = (batch_sh.topk, batch_sh.gates) if batch_sh.gates is not None else batch_sh.topk
+    on_mesh = functools.partial(sharding_lib.under_mesh, mesh=mesh)
+    inputs = (param_sh, batch_sh.tokens, batch_sh.positions)
+    outputs = (batch_sh.old_logp, batch_sh.topk)
+
+    def program(fn, in_shardings, out_shardings):
+        jitted = jax.jit(
+            on_mesh(fn),
+            static_argnums=(0, 1),
+            in_shardings=in_shardings,
+            out_shardings=out_shardings,
+            compiler_options=options,
+        )
+        return Program(jitted, graphdef, temperature)
+
+    score = program(model_lib.score, inputs, outputs)
+    score_replayed = program(model_lib.score, (*inputs, forced_sh), outputs)
+    # One program, live (forced None: none, R2) or replayed (R3, R3W): one compile per run.
+    router_out = (*outputs, batch_sh.old_router_logp)
+    score_router = program(model_lib.score_with_router, (*inputs, forced_sh), router_out) if old_router else None
+    return score, score_replayed, score_router
 
 
 def compile_in_background(programs: Programs, built: config_lib.Built, params) -> Programs:

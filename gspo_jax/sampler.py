@@ -149,8 +149,7 @@ def _generate(
     eos_ids,
     pad_id,
 ) -> tuple[SampleOutput, model_lib.KVCache]:
-    B, P = prompt_BP.shape
-    C = max_new_tokens
+    B, C = prompt_BP.shape[0], max_new_tokens
     model = nnx.merge(graphdef, state)
     # The donated cache of the previous call is reused: emptying its slot positions is enough.
     cache = dataclasses.replace(cache, positions=jnp.full_like(cache.positions, -1), index=jnp.zeros_like(cache.index))
@@ -194,24 +193,34 @@ def _generate(
         # every row has stopped write only what an unwritten column holds.
         return body(d) if chunk == 1 else jax.lax.fori_loop(0, chunk, lambda _, d: body(d), d)
 
-    d = jax.lax.while_loop(
-        cond,
-        steps,
-        DecodeState(
-            step=jnp.zeros((), jnp.int32),
-            cache=cache,
-            logits=logits_BV,
-            key=key,
-            done=jnp.zeros((B,), bool),
-            tokens=jnp.full((B, C), pad_id, jnp.int32),
-            logp=jnp.zeros((B, C), jnp.float32),
-            mask=jnp.zeros((B, C), bool),
-            topk=jnp.zeros((B, L, C, K), jnp.int32),
-            gates=jnp.zeros((B, L, C, K), jnp.float32) if record_gates else None,
-        ),
+    start = _start_state(cache, logits_BV, key, (B, L, C, K), pad_id, record_gates)
+    d = jax.lax.while_loop(cond, steps, start)
+    return _sample_output(prompt_BP, prompt_mask_BP, prompt_routing, d, record_gates), d.cache
+
+
+def _start_state(cache, logits_BV, key, shape_BLCK, pad_id, record_gates: bool) -> DecodeState:
+    """The decode loop's state before its first step: empty [B, C] and [B, L, C, K] buffers."""
+    B, L, C, K = shape_BLCK
+    return DecodeState(
+        step=jnp.zeros((), jnp.int32),
+        cache=cache,
+        logits=logits_BV,
+        key=key,
+        done=jnp.zeros((B,), bool),
+        tokens=jnp.full((B, C), pad_id, jnp.int32),
+        logp=jnp.zeros((B, C), jnp.float32),
+        mask=jnp.zeros((B, C), bool),
+        topk=jnp.zeros((B, L, C, K), jnp.int32),
+        gates=jnp.zeros((B, L, C, K), jnp.float32) if record_gates else None,
     )
+
+
+def _sample_output(prompt_BP, prompt_mask_BP, prompt_routing, d: DecodeState, record_gates: bool) -> SampleOutput:
+    """Prompts and completions side by side ([B, P + C]), with the prompt's routing before the decode's."""
+    B, P = prompt_BP.shape
+    C = d.tokens.shape[1]
     zeros_BP = jnp.zeros((B, P))
-    out = SampleOutput(
+    return SampleOutput(
         tokens=jnp.concatenate([prompt_BP.astype(jnp.int32), d.tokens], axis=1),
         prompt_mask=jnp.concatenate([prompt_mask_BP.astype(bool), jnp.zeros((B, C), bool)], axis=1),
         completion_mask=jnp.concatenate([zeros_BP.astype(bool), d.mask], axis=1),
@@ -221,7 +230,6 @@ def _generate(
         topk=jnp.concatenate([prompt_routing[0], d.topk], axis=2),
         gates=jnp.concatenate([prompt_routing[1], d.gates], axis=2) if record_gates else None,
     )
-    return out, d.cache
 
 
 def _prefill(model, prompt_BP, pos_BP, cache: model_lib.KVCache, record_gates: bool = False):
