@@ -4,6 +4,7 @@ gspo_jax is to this machine's limit: every figure a ratio measured in this one p
     python -m benchmarks.run                      # everything; writes benchmarks/results.json
     python -m benchmarks.run --only iteration     # one section (repeatable)
     python -m benchmarks.run --size tiny --out /tmp/r.json   # seconds: the CI smoke test
+    python -m benchmarks.run --only real --only loop --real-layers 4   # on a GPU: the 4-layer proxy
 
 Sections:
   peak       best float32 matmul FLOP/s over several square shapes (the denominator of every MFU)
@@ -26,8 +27,19 @@ Sections:
   critic     PPO's extra cost on the default config: the train step with and without the critic's
              update, the critic's values pass against the scoring forward, parameter, optimizer and
              compiled-step memory, and whole iterations of PPO against GRPO and GSPO
+  real       (accelerators; compile-only on a CPU with --only real) Qwen3-30B-A3B's layer dims at
+             --real-layers layers (2 by default): the train step's TFLOP/s and MFU against the measured
+             bf16 peak and the device's spec peak, the decode step against its memory floor
+  loop       the RL iteration against its own parts in one process: the rollout's time per decode
+             step against the sampler's as the rollout calls it and the bare decode step, the
+             update's time per token against the isolated train step's, drift's share, and the first
+             iteration with the compilation cache filled against a warm one (real dims at
+             --real-layers on an accelerator, the tiny shape with --size tiny)
+  race       (accelerators) one iteration of the race shape (`benchmarks/trl_race.py` runs TRL's)
 
-It ends with a table of the targets whose sections ran: each figure, its target, and whether this
+On a GPU or TPU the default is real, loop and race, written to benchmarks/results-<device>.json
+(-<N>layers at another --real-layers) with the device, versions, command and commit. It ends with a
+table of the targets whose sections ran: each figure, its target, and whether this
 run met it (docs/BENCHMARKS.md's table adds the ranges over several runs and what limits each miss).
 
 Useful FLOPs are analytic (`gspo_jax/flops.py`), never XLA's cost analysis (it counts a loop body

@@ -6,7 +6,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import subprocess
+import sys
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -17,6 +20,7 @@ from benchmarks.run import accelerator
 from benchmarks.run.costs import critic_cost, diagnostics_cost
 from benchmarks.run.dispatch import moe_dispatch, moe_expert_parallel
 from benchmarks.run.iterations import iteration, iteration_scaling, race_iteration
+from benchmarks.run.loop import loop_figures, print_loop
 from benchmarks.run.machine import machine, peak, refuse_unoptimised
 from benchmarks.run.sampler import sampler_throughput
 from benchmarks.run.shapes import iteration_config
@@ -47,6 +51,18 @@ def accelerator_versions() -> dict:
     except (OSError, subprocess.SubprocessError):
         pass
     return out
+
+
+def _git_describe() -> str:
+    """The commit this tree is at, "+ changes" when it has uncommitted ones; "" without git."""
+    try:
+        git = ["git", "--no-optional-locks"]  # reads only: no index refresh
+        run = lambda *a: subprocess.run([*git, *a], capture_output=True, text=True, timeout=30, cwd=RESULTS.parent)
+        head = run("rev-parse", "HEAD").stdout.strip()
+        dirty = run("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return f"{head} + changes" if head and dirty else head
 
 
 # ------------------------------------------------------------------ the sections
@@ -173,44 +189,64 @@ def critic_section(tiny: bool, repeats: int, results: dict) -> dict:
     return r
 
 
+def _layers(results: dict) -> int:
+    return results.get("real_layers", accelerator.REAL_LAYERS)
+
+
 def real_section(tiny: bool, repeats: int, results: dict) -> dict:
-    """The real-dims train and decode steps (`accelerator`); compile-only memory on a CPU."""
+    """The real-dims train and decode steps at `--real-layers` layers (`accelerator`); compile-only
+    memory on a CPU."""
+    layers, kind = _layers(results), jax.devices()[0].device_kind
+    dims = f"real dims, {layers} layers"
     if jax.default_backend() == "cpu":
-        rows = [accelerator.train_step(d, repeats, 0.0, compile_only=True) for d in ("sparse", "ragged")]
+        rows = [accelerator.train_step(d, repeats, 0.0, compile_only=True, layers=layers) for d in ("sparse", "ragged")]
         for r in rows:
-            print(f"real dims, train step [{r['dispatch']}], compiled: temp {r.get('temp_bytes', 0) / 2**30:.2f} GiB")
-        decode = [accelerator.decode_step_bytes(d) for d in ("dense", "sparse")]
+            print(f"{dims}, train step [{r['dispatch']}], compiled: temp {r.get('temp_bytes', 0) / 2**30:.2f} GiB")
+        decode = [accelerator.decode_step_bytes(d, layers=layers) for d in ("dense", "sparse")]
         for r in decode:
             print(
-                f"real dims, decode step [{r['dispatch']}], compiled: {r['bytes_accessed'] / 1e9:.2f} GB accessed, "
+                f"{dims}, decode step [{r['dispatch']}], compiled: {r['bytes_accessed'] / 1e9:.2f} GB accessed, "
                 f"{r['ratio']:.2f}x the {r['weight_bytes'] / 1e9:.2f} GB of weights it must read"
             )
-        return dict(train=rows, decode=decode)
-    out = dict(peak_bf16_flops=peak_bf16(repeats), copy_bytes_per_s=copy_bandwidth(repeats))
-    print(f"bf16 peak {out['peak_bf16_flops'] / 1e12:.0f} TFLOP/s, copy {out['copy_bytes_per_s'] / 1e12:.2f} TB/s")
+        return dict(layers=layers, train=rows, decode=decode)
+    out = dict(layers=layers, peak_bf16_flops=peak_bf16(repeats), copy_bytes_per_s=copy_bandwidth(repeats))
+    spec = accelerator.spec_peak(kind)
+    spec_text = f"spec {spec[1] / 1e12:.0f} TFLOP/s ({spec[0]})" if spec else f"no spec peak known for {kind!r}"
+    print(
+        f"bf16 peak {out['peak_bf16_flops'] / 1e12:.0f} TFLOP/s measured ({spec_text}), "
+        f"copy {out['copy_bytes_per_s'] / 1e12:.2f} TB/s"
+    )
     out["train"], out["decode"] = [], []
     # The default dispatch (what `auto` picks here), and the all-expert path as the decode's alternative;
     # last session's sparse (597 ms) and ragged (4.50 ms) rows: docs/BENCHMARKS.md.
     for d in ("auto",):
         try:
-            r = accelerator.train_step(d, repeats, out["peak_bf16_flops"])
+            r = accelerator.train_step(d, repeats, out["peak_bf16_flops"], layers=layers)
             print(
-                f"real dims, train step [{d}]: {r['seconds'] * 1e3:.0f} ms for {r['tokens']} tokens, "
-                f"{r['tflops_per_s']:.0f} TFLOP/s, MFU {r['mfu']:.1%}, temp {r.get('temp_bytes', 0) / 2**30:.2f} GiB"
+                f"{dims}, train step [{d}]: {r['seconds'] * 1e3:.0f} ms for {r['tokens']} tokens, "
+                f"{r['tflops_per_s']:.0f} TFLOP/s, {accelerator.mfu_text(r, kind)}, "
+                f"temp {r.get('temp_bytes', 0) / 2**30:.2f} GiB"
             )
         except Exception as e:  # out of memory, or a kernel this device lacks: a row, not a crash
             r = dict(dispatch=d, error=f"{type(e).__name__}: {str(e)[:400]}")
-            print(f"real dims, train step [{d}]: {r['error']}")
+            print(f"{dims}, train step [{d}]: {r['error']}")
         out["train"].append(r)
     for d in ("auto", "dense"):
         try:
-            r = accelerator.decode_step(d, repeats, out["copy_bytes_per_s"])
-            print(f"real dims, decode step [{d}]: {r['ms_per_step']:.2f} ms (floor {r['floor_ms']:.2f} ms)")
+            r = accelerator.decode_step(d, repeats, out["copy_bytes_per_s"], layers=layers)
+            print(f"{dims}, decode step [{d}]: {r['ms_per_step']:.2f} ms (floor {r['floor_ms']:.2f} ms)")
         except Exception as e:
             r = dict(dispatch=d, error=f"{type(e).__name__}: {str(e)[:400]}")
-            print(f"real dims, decode step [{d}]: {r['error']}")
+            print(f"{dims}, decode step [{d}]: {r['error']}")
         out["decode"].append(r)
     return out
+
+
+def loop_section(tiny: bool, repeats: int, results: dict) -> dict:
+    """The RL iteration against its parts in one process (`benchmarks/run/loop.py`)."""
+    r = loop_figures(tiny, repeats, _layers(results), results.get("real", {}).get("peak_bf16_flops", 0.0))
+    print_loop(r)
+    return r
 
 
 def race_section(tiny: bool, repeats: int, results: dict) -> dict:
@@ -220,20 +256,23 @@ def race_section(tiny: bool, repeats: int, results: dict) -> dict:
     return r
 
 
-SECTIONS: dict[str, Callable[[bool, int, dict], dict]] = {
+SECTIONS: dict[str, Callable[[bool, int, dict], dict]] = {  # a CPU's run order
     "peak": peak_section,  # run with every section but the accelerator's: its FLOP/s is their denominator
     "train": train_section,
     "loss": loss_section,
     "moe": moe_section,
     "sampler": sampler_section,
     "iteration": iteration_section,
+    # Before the tiny runs below: the programs its start-up measurement leaves loaded are theirs too.
+    "loop": loop_section,
     "scaling": scaling_section,
     "diagnostics": diagnostics_section,
     "critic": critic_section,
     "real": real_section,
     "race": race_section,
 }
-ACCELERATOR_SECTIONS = ("real", "race")  # what runs by default on a GPU or TPU, and first
+ACCELERATOR_SECTIONS = ("real", "loop", "race")  # what runs by default on a GPU or TPU, and first
+CPU_SKIPS = ("real", "race")  # left out of a CPU's default run (`real` compiles only there; --only runs it)
 
 
 def main():
@@ -242,33 +281,45 @@ def main():
     ap.add_argument("--size", default="full", choices=("full", "tiny"), help="tiny: seconds, for the smoke test")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--out", default=str(RESULTS))
+    ap.add_argument(
+        "--real-layers",
+        type=int,
+        default=accelerator.REAL_LAYERS,
+        help="depth of the real-dims proxy (sections real and loop on an accelerator)",
+    )
     args = ap.parse_args()
     tiny = args.size == "tiny"
     if not tiny:
         refuse_unoptimised(ap, "--size tiny")
     accel = jax.default_backend() != "cpu"
-    sections = args.only or (
-        ACCELERATOR_SECTIONS if accel else tuple(s for s in SECTIONS if s not in ACCELERATOR_SECTIONS)
-    )
+    sections = args.only or (ACCELERATOR_SECTIONS if accel else tuple(s for s in SECTIONS if s not in CPU_SKIPS))
     if accel and args.out == str(RESULTS):
         slug = "".join(ch if ch.isalnum() else "-" for ch in jax.devices()[0].device_kind.lower()).strip("-")
-        args.out = str(RESULTS.with_name(f"results-{slug}.json"))
+        depth = "" if args.real_layers == accelerator.REAL_LAYERS else f"-{args.real_layers}layers"
+        args.out = str(RESULTS.with_name(f"results-{slug}{depth}.json"))
     repeats = 1 if tiny else args.repeats
-    results = dict(machine=machine())
+    results = dict(machine=machine(), command=shlex.join(["python", "-m", "benchmarks.run", *sys.argv[1:]]))
+    results["git"] = _git_describe()
+    results["real_layers"] = args.real_layers
     results["jax"] = jax.__version__
     results["glibc_tunables"] = os.environ.get("GLIBC_TUNABLES", "")  # huge pages or not: see host_memory
     results["jax_disable_most_optimizations"] = bool(jax.config.values["jax_disable_most_optimizations"])
     if accel:
         results.update(accelerator_versions())
-    # The accelerator's sections first; the peak and the others (and the targets) unless those were all.
+    # On an accelerator its sections first, then the peak and the others unless those were all; on a
+    # CPU in `SECTIONS`' order.
     accelerator_only = accel and not set(sections) - set(ACCELERATOR_SECTIONS)
     rest = () if accelerator_only else tuple(s for s in SECTIONS if s not in ACCELERATOR_SECTIONS)
-    for name in (*ACCELERATOR_SECTIONS, *rest):
+    results["section_seconds"] = took = {}  # each section's wall time, its compiles included
+    write = lambda: Path(args.out).write_text(json.dumps(results, indent=2, default=float))
+    for name in (*ACCELERATOR_SECTIONS, *rest) if accel else SECTIONS:
         if name in sections or name == "peak":
+            t0 = time.perf_counter()
             results[name] = SECTIONS[name](tiny, repeats, results)
-    if not accelerator_only:
-        print_targets(results)
-    Path(args.out).write_text(json.dumps(results, indent=2, default=float))
+            took[name] = time.perf_counter() - t0
+            write()  # after each section: a later one that fails leaves the earlier figures written
+    print_targets(results)  # the rows of the sections that ran
+    write()
     print(f"wrote {args.out}")
 
 

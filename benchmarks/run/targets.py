@@ -1,12 +1,16 @@
-"""Issue 12's targets judged from a run's results: each figure, its target, and whether it was met."""
+"""The targets judged from a run's results (issue 12's; the real-dims and `loop` rows issue 54's): each
+figure, its target, and whether it was met."""
 
 from __future__ import annotations
 
 from benchmarks.run.iterations import SPLIT
+from benchmarks.run.loop import TARGETS as LOOP_TARGETS
+
+REAL_TFLOPS = 240  # issue 54: Megatron-Core's ~240 TFLOP/s per H100 on the full Qwen3-30B-A3B
 
 
 def targets(results: dict) -> list[tuple[str, str, str, bool]]:
-    """(figure, measured, target, met) for each of issue 12's targets whose section ran."""
+    """(figure, measured, target, met) for each target whose section ran."""
     rows = []
     add = lambda figure, value, target, met: rows.append((figure, value, target, bool(met)))
     for name, r in results.get("train", {}).items():  # `tiny` (the smoke test) stands in for the default config
@@ -41,6 +45,22 @@ def targets(results: dict) -> list[tuple[str, str, str, bool]]:
     if "diagnostics" in results:
         share = results["diagnostics"]["share"]
         add("drift + routing diagnostics, share of an iteration", f"{share:.1%}", "<= 15%", share <= 0.15)
+    for r in results.get("real", {}).get("train", []):  # an accelerator's measured step (CPU: compile-only)
+        if "tflops_per_s" in r:
+            tf, figure = r["tflops_per_s"], f"real dims, {r['layers']} layers: train-step TFLOP/s"
+            add(figure, f"{tf:.0f}", f">= {REAL_TFLOPS}", tf >= REAL_TFLOPS)
+    if "loop" in results:  # issue 54: the RL iteration as fast as its parts
+        r, bar = results["loop"], LOOP_TARGETS
+        where = f"{r['shape']} shape, {r['layers']} layers"
+        for key, figure, unit in (
+            ("decode_ratio", "rollout per decode step / bare decode step", "x"),
+            ("update_ratio", "update per token in the loop / isolated train step", "x"),
+            ("drift_share", "drift, share of an iteration in the loop", "%"),
+            ("first_iteration_ratio", "first iteration, cache filled / a warm one", "x"),
+        ):
+            v = r[key]
+            value, target = (f"{v:.1%}", f"<= {bar[key]:.0%}") if unit == "%" else (f"{v:.2f}x", f"<= {bar[key]}x")
+            add(f"loop ({where}): {figure}", value, target, v <= bar[key])
     return rows
 
 
