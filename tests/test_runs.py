@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from train_cli import train_cli
 
 from gspo_jax import checkpoint, sharding, train, workdir
 from gspo_jax import iteration as iteration_lib
@@ -37,6 +38,7 @@ def snapshot(path: Path) -> dict[str, bytes]:
 
 
 def cli(*args, timeout=300):
+    """The real command in a child process; the refusals run it in this process (`train_cli`)."""
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     env.pop("XLA_FLAGS", None)
     return subprocess.run(
@@ -208,9 +210,21 @@ def test_cli_refuses_bad_input_in_one_line_and_leaves_the_workdir_untouched(tmp_
     work.mkdir()
     (work / "keep.txt").write_text("precious")
     before = snapshot(work)
-    r = cli(*args, "--workdir", str(work))
+    r = train_cli(*args, "--workdir", str(work))
     assert r.returncode == EXIT_REFUSED, r.stderr
     assert words in one_line(r)
+    assert snapshot(work) == before
+
+
+def test_the_command_itself_refuses_in_one_line_with_exit_2_and_leaves_the_workdir_untouched(tmp_path):
+    """The refusals above and below run `scripts/train.py` in this process; this one runs the command."""
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "keep.txt").write_text("precious")
+    before = snapshot(work)
+    r = cli("--config", "configs/gspo.py:tiny", "--config.rollout.temperature=0.0", "--workdir", str(work))
+    assert r.returncode == EXIT_REFUSED, r.stderr
+    assert "temperature" in one_line(r) and one_line(r).startswith("error: ")
     assert snapshot(work) == before
 
 
@@ -233,7 +247,7 @@ def test_cli_refuses_a_task_that_cannot_run_and_writes_nothing(tmp_path, args, w
     qa = tmp_path / "qa.jsonl"  # two records, neither held out at 1/16: an empty eval split
     qa.write_text("".join(json.dumps(r) + "\n" for r in QA))
     work = tmp_path / "work"
-    r = cli("--config", "configs/gspo.py:tiny", *[a.format(qa=qa) for a in args], "--workdir", str(work))
+    r = train_cli("--config", "configs/gspo.py:tiny", *[a.format(qa=qa) for a in args], "--workdir", str(work))
     assert r.returncode == EXIT_REFUSED, r.stderr
     assert words in one_line(r)
     assert not work.exists()
@@ -254,7 +268,7 @@ def test_cli_selects_a_task_by_name_with_its_section(tmp_path, args):
     work = tmp_path / "work"
     work.mkdir()
     with workdir.Lock(work):
-        r = cli("--config", "configs/gspo.py:tiny", *[a.format(qa=qa) for a in args], "--workdir", str(work))
+        r = train_cli("--config", "configs/gspo.py:tiny", *[a.format(qa=qa) for a in args], "--workdir", str(work))
     assert r.returncode == EXIT_REFUSED and f"in use by pid {os.getpid()}" in one_line(r)
 
 
@@ -274,7 +288,7 @@ def test_a_run_on_a_mesh_smaller_than_the_devices_warns_naming_the_idle_ones(tmp
 
 def test_cli_refuses_a_workdir_that_cannot_be_created(tmp_path):
     (tmp_path / "a_file").write_text("x")
-    r = cli("--config", "configs/gspo.py:tiny", "--workdir", str(tmp_path / "a_file" / "run"))
+    r = train_cli("--config", "configs/gspo.py:tiny", "--workdir", str(tmp_path / "a_file" / "run"))
     assert r.returncode == EXIT_REFUSED and "cannot be created" in one_line(r)
 
 
@@ -284,7 +298,7 @@ def test_cli_refuses_a_workdir_that_cannot_be_created(tmp_path):
 def test_a_second_run_on_a_held_workdir_is_refused_naming_the_holder(tmp_path):
     with workdir.Lock(tmp_path):
         before = snapshot(tmp_path)
-        r = cli("--config", "configs/gspo.py:tiny", "--workdir", str(tmp_path))
+        r = train_cli("--config", "configs/gspo.py:tiny", "--workdir", str(tmp_path))
         assert r.returncode == EXIT_REFUSED
         assert f"in use by pid {os.getpid()}" in one_line(r)
         assert snapshot(tmp_path) == before
@@ -384,7 +398,7 @@ def test_a_changed_config_is_refused_listing_the_keys_unless_allowed(tmp_path):
 def test_cli_refuses_a_changed_algorithm_on_an_existing_workdir(tmp_path):
     workdir.record_config(tmp_path, as_json(base_config("grpo", "tiny")), [])
     before = snapshot(tmp_path)
-    r = cli("--config", "configs/gspo.py:tiny", "--workdir", str(tmp_path))
+    r = train_cli("--config", "configs/gspo.py:tiny", "--workdir", str(tmp_path))
     assert r.returncode == EXIT_REFUSED
     assert "algorithm: 'grpo' -> 'gspo'" in one_line(r) and "--allow_config_change" in one_line(r)
     assert snapshot(tmp_path) == before

@@ -170,14 +170,10 @@ def test_bad_arguments_are_refused_with_exit_2(tmp_path, capsys, args, message):
 # ------------------------------------------------------------------ locks, CPUs, state
 
 
-def test_a_second_sweep_on_a_workroot_is_refused_naming_the_holder(tmp_path):
-    with SweepLock(tmp_path):
-        r = subprocess.run(
-            [sys.executable, "scripts/sweep.py", str(TINY), "--workroot", str(tmp_path)],
-            cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
-        assert r.returncode == 2, r.stderr
-        (line,) = r.stderr.splitlines()
+def test_a_second_sweep_on_a_workroot_is_refused_naming_the_holder(tmp_path, capsys):
+    with SweepLock(tmp_path):  # a lock is per open file: this process holds it against its own second try
+        assert sweep_script.main([str(TINY), "--workroot", str(tmp_path)]) == 2
+        (line,) = capsys.readouterr().err.splitlines()
         assert "another sweep is running" in line and f"pid {os.getpid()}" in line
         assert not (tmp_path / "runs").exists()
     # Shards of one sweep may share a workroot; one shard twice may not.

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from train_cli import train_cli
 
 from gspo_jax import checkpoint, losses, routing, train
 from gspo_jax import config as config_lib
@@ -590,7 +591,7 @@ def test_cli_rejects_bad_overrides_in_one_line_without_touching_the_workdir(tmp_
     work = tmp_path / "work"
     work.mkdir()
     (work / "keep.txt").write_text("precious")
-    r = run_cli("--config", "configs/gspo.py:tiny", "--workdir", str(work), override)
+    r = train_cli("--config", "configs/gspo.py:tiny", "--workdir", str(work), override)  # in this process
     assert r.returncode == 2, r.stderr
     err = [x for x in r.stderr.strip().splitlines() if x.strip()]
     assert len(err) == 1 and key in err[0], r.stderr
