@@ -1,5 +1,5 @@
 """The headline grid in the mechanism study's regime (configs/study/deep_moe.py: 8 MoE layers of 64
-experts top-2, 33-39-token completions, bf16 sampler, 4 updates per rollout): GRPO and GSPO x no replay,
+experts top-2, 33-39-token completions, bf16 sampler; 8 updates per rollout here): GRPO and GSPO x no replay,
 R2, consistent R3 (5 seeds each), weight replay R3W, RSPO's router-shift ratio, IcePop (GRPO: token
 ratios) and the geometric-mean sequence mask (3 seeds each), at lr 1e-4 (COMMON, the search's closest
 cell). 2 x (3 x 5 + 3 x 3) + 3 = 51 runs. Run after configs/sweeps/mechanism_search.py's 8-update cell
