@@ -10,6 +10,7 @@ import importlib.util
 import io
 import logging
 import sys
+import warnings
 from pathlib import Path
 
 import jax
@@ -54,7 +55,9 @@ def train_cli(*args: str) -> Result:
     sys.argv = ["scripts/train.py", *args]
     err = io.StringIO()
     try:
-        with contextlib.redirect_stderr(err):
+        with contextlib.redirect_stderr(err), warnings.catch_warnings():
+            # config_flags loads the config file with importlib's deprecated load_module (its warning, not ours)
+            warnings.filterwarnings("ignore", "the load_module", DeprecationWarning)
             script.main(script.parse_flags(sys.argv))
         code = 0
     except SystemExit as e:
