@@ -279,7 +279,7 @@ def _mechanism(res: Results) -> tuple[str, str, str]:
         f"{d.n} seeds in the criterion's cells (resolving a paired difference beyond ±{100 * (d.hi - d.lo) / 2:.1f} "
         "points); the on-policy control changes two things (updates per rollout, sampler precision); the dense "
         f"model's warm start is {100 * (start(off) - start(dense)):.0f} points lower (greedy); 60 iterations, widths "
-        "64–128, ~4 CPU-hours of search"
+        "64–128; the search: 20 runs, ~6 CPU-hours"
     )
     return here, verdict, limits
 
