@@ -143,32 +143,77 @@ def _drift(res: Results) -> tuple[str, str, str]:
     return here, verdict, "3 seeds per arm; 1–15 MoE layers, not 48; drift is per iteration, not per update"
 
 
+HEADLINE = "headline"  # configs/sweeps/headline.py: the grid in the mechanism search's closest cell
+HEADLINE_SEEDS = 5  # pre-registered on GRPO and GSPO x {none, R2, R3}; 3 on the instruments
+INSTRUMENT_SEEDS = 3
+REPLAYS = ("R2", "R3")
+
+
+def _arm_name(objective: str, replay: str) -> str:
+    return objective if replay == "none" else f"{objective}-replay={replay}"
+
+
+def _headline(res: Results, arms: Sequence[str]) -> tuple[int, dict[str, list[RunResult]]]:
+    """(k, arm -> runs): the seeds every one of `arms` has finished in the headline grid, and each arm's
+    runs of those seeds only, so that every number in a row is over the same k seeds."""
+    done = res.arms(HEADLINE)
+    seeds = set.intersection(*({seed_of(r) for r in done.get(a, [])} for a in arms))
+    return len(seeds), {a: [r for r in done.get(a, []) if seed_of(r) in seeds] for a in arms}
+
+
+def _pending(k: int, of: int) -> str:
+    return f"Pending: the headline grid has {k} of {of} seeds"
+
+
 def _replay_needed(res: Results) -> tuple[str, str, str]:
-    main = {a: iv(gain(res.arm("main_job", a))) for a in ("grpo", "gspo")}
+    arms = [_arm_name(o, rp) for o in ("grpo", "gspo") for rp in ("none", *REPLAYS)]
+    k, h = _headline(res, arms)
+    here, verdict = "", _pending(k, HEADLINE_SEEDS)
+    if k:
+        g = {o: iv(gain(h[o])) for o in ("grpo", "gspo")}
+        d = {(o, rp): paired(final(h[_arm_name(o, rp)]), final(h[o])) for o in ("grpo", "gspo") for rp in REPLAYS}
+        dg = {(o, rp): paired(final(h[_arm_name(o, rp)], ACCURACY), final(h[o], ACCURACY)) for o, rp in d}
+        here = (
+            f"Headline grid (the mechanism search's closest cell: 8 MoE layers of 64 experts, 8 updates per rollout, "
+            f"{k} seed{'s' if k > 1 else ''}): sampled gain without replay GRPO {g['grpo'].text()}, GSPO "
+            f"{g['gspo'].text()}; paired to no replay, final sampled (greedy): "
+            + "; ".join(
+                f"{rp} GRPO {d['grpo', rp].text()} ({dg['grpo', rp].text()}), GSPO {d['gspo', rp].text()} "
+                f"({dg['gspo', rp].text()})"
+                for rp in REPLAYS
+            )
+            + ". "
+        )
+        if k >= HEADLINE_SEEDS:
+            signs = {key: sign(i) for key, i in d.items()}
+            grpo_needs = all(signs["grpo", rp] == "above 0" for rp in REPLAYS)
+            gspo_not = all(signs["gspo", rp] == "includes 0" for rp in REPLAYS)
+            verdict = (
+                "Reproduced: replay helps GRPO and makes no difference to GSPO"
+                if grpo_needs and gspo_not
+                else "Not reproduced: " + ", ".join(f"{o.upper()} with {rp} {signs[o, rp]}" for o, rp in d)
+            )
+    here += _replay_needed_earlier(res)
+    limits = (
+        f"{k} of {HEADLINE_SEEDS} seeds in the headline grid; 60 iterations from a warm start, widths 64–128, "
+        "not 48 layers of 128 experts; earlier sweeps: 3 seeds per arm, 3 MoE layers, ~8-token completions"
+    )
+    return here, verdict, limits
+
+
+def _replay_needed_earlier(res: Results) -> str:
+    """The smaller regimes first tested (3 MoE layers, ~8-token completions): context for the headline grid."""
     me = {(o, rp): res.arm("many_experts", f"{o}-replay={rp}") for o in ("grpo", "gspo") for rp in ("none", "R2")}
     r3 = {o: res.arm("many_experts_r3", f"{o}-replay=R3") for o in ("grpo", "gspo")}
     g = {o: iv(gain(me[o, "none"])) for o in ("grpo", "gspo")}
     d2 = {o: paired(final(me[o, "R2"]), final(me[o, "none"])) for o in ("grpo", "gspo")}
     d3 = {o: paired(final(r3[o]), final(me[o, "none"])) for o in ("grpo", "gspo")}
-    obj = {rp: res.arm("objectives_replay", f"grpo-replay={rp}") for rp in ("none", "R2", "R3")}
-    here = (
-        f"Sampled gain without replay, main job: GRPO {main['grpo'].text()}, GSPO {main['gspo'].text()}. "
-        f"`many_experts` (~10% drift): GRPO {g['grpo'].text()}, GSPO {g['gspo'].text()} without replay; paired to "
-        f"no replay, R2 {d2['grpo'].text()} (GRPO), {d2['gspo'].text()} (GSPO); consistent R3 {d3['grpo'].text()} "
-        f"(GRPO), {d3['gspo'].text()} (GSPO). `objectives_replay` (collapsing step): GRPO collapsed "
-        f"{collapses(obj['none'])} without replay, {collapses(obj['R2'])} with R2, {collapses(obj['R3'])} with R3"
+    return (
+        f"Earlier, `many_experts` (3 MoE layers, ~10% drift): GRPO {g['grpo'].text()}, GSPO {g['gspo'].text()} "
+        f"without replay; paired to no replay, R2 {d2['grpo'].text()} (GRPO), {d2['gspo'].text()} (GSPO); "
+        f"consistent R3 {d3['grpo'].text()} (GRPO), {d3['gspo'].text()} (GSPO)"
+        + (": no difference excludes 0" if all(sign(i) == "includes 0" for i in (*d2.values(), *d3.values())) else "")
     )
-    learns = g["grpo"].lo > 0 and main["grpo"].lo > 0
-    verdict = (
-        "Not reproduced: GRPO learns without replay, and no replay arm's difference excludes 0"
-        if learns and all(sign(d) == "includes 0" for d in (*d2.values(), *d3.values()))
-        else "See the intervals"
-    )
-    limits = (
-        "3 seeds per arm (the intervals span ±10–30 points); 3 MoE layers, ~8-token completions, 80–200 "
-        "iterations; objectives_replay's R3 arms scored π_old live-routed (not rerun)"
-    )
-    return here, verdict, limits
 
 
 def _clipping(res: Results) -> tuple[str, str, str]:
@@ -208,20 +253,74 @@ def _mismatch(res: Results) -> tuple[str, str, str]:
 
 
 def _r3_collapse(res: Results) -> tuple[str, str, str]:
+    k, h = _headline(res, ["grpo", "grpo-replay=R3"])
+    here, verdict = "", _pending(k, HEADLINE_SEEDS)
+    if k:
+        none, r3 = h["grpo"], h["grpo-replay=R3"]
+        d, dg = paired(final(r3), final(none)), paired(final(r3, ACCURACY), final(none, ACCURACY))
+        here = (
+            f"Headline grid ({k} seed{'s' if k > 1 else ''}): GRPO collapsed in {collapses(none)} without replay and "
+            f"{collapses(r3)} with consistent R3; R3 − none, final sampled {d.text()}, greedy {dg.text()}. "
+        )
+        if k >= HEADLINE_SEEDS:
+            most = sum(r.collapsed() for r in none) > len(none) / 2
+            stops = sum(r.collapsed() for r in r3) <= 1 and d.lo > 0
+            verdict = (
+                ("Reproduced: R3 stops the collapse" if stops else "Not reproduced: GRPO collapses with R3 too")
+                if most
+                else f"Not tested: GRPO without replay collapsed in {collapses(none)} (the rule needs most seeds); "
+                f"R3 − none {sign(d)}"
+            )
     obj = {rp: res.arm("objectives_replay", f"grpo-replay={rp}") for rp in ("none", "R3")}
     none, r3 = res.arm("many_experts", "grpo-replay=none"), res.arm("many_experts_r3", "grpo-replay=R3")
-    d = paired(final(r3), final(none))
-    dg = paired(final(obj["R3"], ACCURACY), final(obj["none"], ACCURACY))
+    here += (
+        f"Earlier, `objectives_replay`: GRPO collapsed in {collapses(obj['none'])} without replay and "
+        f"{collapses(obj['R3'])} with R3, where the step causes it (the dense model falls too); `many_experts`: "
+        f"GRPO collapsed in {collapses(none)} without replay; consistent R3 − none, final sampled "
+        f"{paired(final(r3), final(none)).text()}"
+    )
+    limits = (
+        f"{k} of {HEADLINE_SEEDS} seeds in the headline grid; the collapse rule: final sampled accuracy > 10 points "
+        "below the warm start; objectives_replay's R3 scored π_old live-routed"
+    )
+    return here, verdict, limits
+
+
+INSTRUMENTS = {  # headline arm suffix -> what it is
+    "replay=R3W": "weight replay (R3W)",
+    "router_shift=True": "RSPO's router-shift ratio",
+    "icepop=True": "IcePop",
+    "geo_mask_delta=0.01": "the geometric sequence mask",
+}
+
+
+def _instruments(res: Results) -> tuple[str, str, str]:
+    """What the instruments beyond replay do in the headline grid, each paired to its objective alone."""
+    arms = [(o, suffix) for suffix in INSTRUMENTS for o in ("grpo", "gspo") if (o, suffix) != ("gspo", "icepop=True")]
+    k, _ = _headline(res, [f"{o}-{suffix}" for o, suffix in arms])
+    done = res.arms(HEADLINE)  # each instrument over the seeds it has, paired to its objective's
+    parts, diffs = [], {}
+    for o, suffix in arms:
+        rs = done.get(f"{o}-{suffix}", [])
+        if rs and o in done:
+            diffs[o, suffix] = d = paired(final(rs), final(done[o]))
+            parts.append(f"{INSTRUMENTS[suffix]} on {o.upper()} {d.text()} ({collapses(rs)} collapsed)")
     here = (
-        f"`objectives_replay`: GRPO collapsed in {collapses(obj['none'])} without replay and {collapses(obj['R3'])} "
-        f"with R3 (final greedy, R3 − none: {dg.text()}). `many_experts`: GRPO collapsed in {collapses(none)} "
-        f"without replay; consistent R3 − none, final sampled: {d.text()}"
+        "Headline grid, final sampled accuracy paired to the objective alone: " + "; ".join(parts)
+        if parts
+        else "Headline grid: no instrument run has finished yet"
     )
-    verdict = (
-        "Not tested: where GRPO collapses, the step causes it (the dense model falls too); where it does not, "
-        "there is nothing to stop"
+    verdict = _pending(k, INSTRUMENT_SEEDS)
+    if k >= INSTRUMENT_SEEDS:
+        better = [f"{INSTRUMENTS[s]} ({o.upper()})" for (o, s), d in diffs.items() if sign(d) == "above 0"]
+        worse = [f"{INSTRUMENTS[s]} ({o.upper()})" for (o, s), d in diffs.items() if sign(d) == "below 0"]
+        verdict = ("Helps: " + ", ".join(better) if better else "None helps: no interval above 0") + (
+            ("; hurts: " + ", ".join(worse)) if worse else ""
+        )
+    limits = (
+        f"{k} of {INSTRUMENT_SEEDS} seeds on every instrument; in the regime the mechanism row describes, where "
+        "off-policy GRPO loses a few points and does not collapse"
     )
-    limits = "3 seeds; objectives_replay's R3 scored π_old live-routed; its collapse is the step's, not the mismatch's"
     return here, verdict, limits
 
 
@@ -295,7 +394,7 @@ CLAIMS = (
         "GRPO needs routing replay to converge on an MoE; GSPO does not",
         "GSPO",
         _replay_needed,
-        ("main_job", "many_experts", "many_experts_r3", "objectives_replay"),
+        (HEADLINE, "many_experts", "many_experts_r3"),
     ),
     Claim(
         "GSPO clips about two orders of magnitude more than GRPO, yet learns better",
@@ -313,7 +412,13 @@ CLAIMS = (
         "Replaying the engine's routing (R3) stops GRPO's collapse",
         "R3",
         _r3_collapse,
-        ("objectives_replay", "many_experts", "many_experts_r3"),
+        (HEADLINE, "objectives_replay", "many_experts", "many_experts_r3"),
+    ),
+    Claim(
+        "Weight replay, RSPO's router-shift ratio, IcePop and the geometric sequence mask steady an MoE policy",
+        "RSPO, IcePop",
+        _instruments,
+        (HEADLINE,),
     ),
     Claim(
         "Token-level IS breaks an off-policy sparse-MoE policy through routing drift, where an on-policy or dense "
