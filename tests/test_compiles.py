@@ -45,6 +45,7 @@ def test_step_options_keep_the_suites_O0_and_the_same_values():
     defaults when off; the same values as the default program, and where this XLA still has the older
     loop emitters, a different compiled program."""
     assert compiles.step_options(False) is None
+    assert compiles.run_once_options() is None  # conftest: -O0 stays for random init too
     fast_options = compiles.step_options(True)  # conftest: -O0 stays
     assert fast_options == compiles.supported({"xla_cpu_use_fusion_emitters": False})
     x, w = (jax.ShapeDtypeStruct(s, jnp.float32) for s in ((64, 128), (128, 128)))
@@ -64,6 +65,7 @@ def test_every_compile_option_the_project_passes_is_known_to_this_xla(fully_opti
     jax.config.update("jax_disable_most_optimizations", True)
     passed.append(compiles.step_options(True))
     jax.config.update("jax_disable_most_optimizations", False)
+    assert passed[0] == compiles.supported(compiles.FAST_CPU_COMPILE)  # a real run's init: the fast options
     for options in passed:
         assert set(options) <= set(compiles.FAST_CPU_COMPILE)
         assert all(compiles.xla_knows(k, v) for k, v in options.items())
