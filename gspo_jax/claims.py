@@ -194,9 +194,16 @@ def _replay_needed(res: Results) -> tuple[str, str, str]:
                 else "Not reproduced: " + ", ".join(f"{o.upper()} with {rp} {signs[o, rp]}" for o, rp in d)
             )
     here += _replay_needed_earlier(res)
-    limits = (
-        f"{k} of {HEADLINE_SEEDS} seeds in the headline grid; 60 iterations from a warm start, widths 64–128, "
-        "not 48 layers of 128 experts; earlier sweeps: 3 seeds per arm, 3 MoE layers, ~8-token completions"
+    limits = f"{k} of {HEADLINE_SEEDS} seeds in the headline grid; "
+    if k:  # a confound of the GSPO arms: how much its narrow sequence clip range cuts at 8 updates
+        limits += (
+            f"GSPO clips {span(run_means(h['gspo'], 'seq_clip_frac'), 0)} of completions per update there (the "
+            "paper's clip range, at 8 updates per rollout), GRPO "
+            f"{span(run_means(h['grpo'], 'clip_frac'), 1)} of tokens; "
+        )
+    limits += (
+        "60 iterations from a warm start, widths 64–128, not 48 layers of 128 experts; earlier sweeps: 3 seeds "
+        "per arm, 3 MoE layers, ~8-token completions"
     )
     return here, verdict, limits
 
