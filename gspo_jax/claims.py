@@ -278,6 +278,14 @@ def _r3_collapse(res: Results) -> tuple[str, str, str]:
                 else f"Not tested: GRPO without replay collapsed in {collapses(none)} (the rule needs most seeds); "
                 f"R3 − none {sign(d)}"
             )
+    kg, g = _headline(res, ["gspo", "gspo-replay=R3"])
+    if kg:  # not the pre-registered test (GRPO's), but where this grid's runs do collapse
+        d_gspo = paired(final(g["gspo-replay=R3"]), final(g["gspo"]))
+        here += (
+            f"GSPO in the same grid (beside the pre-registered test, {kg} seed{'s' if kg > 1 else ''}): collapsed in "
+            f"{collapses(g['gspo'])} without replay and {collapses(g['gspo-replay=R3'])} with R3; R3 − none, final "
+            f"sampled {d_gspo.text()}. "
+        )
     obj = {rp: res.arm("objectives_replay", f"grpo-replay={rp}") for rp in ("none", "R3")}
     none, r3 = res.arm("many_experts", "grpo-replay=none"), res.arm("many_experts_r3", "grpo-replay=R3")
     here += (
