@@ -1,0 +1,97 @@
+"""The claims table's headline rows (gspo_jax/claims.py) on synthetic runs: every number over the seeds all
+their arms share, "Pending" until the grid has its pre-registered seeds, then the verdict the intervals give.
+The rows' older sweeps are read from the committed results/."""
+
+from pathlib import Path
+
+import pytest
+
+from gspo_jax import claims, sweeps
+from gspo_jax.sweep_report import ACCURACY, SAMPLED, RunResult
+
+ROOT = Path(__file__).resolve().parents[1]
+ARMS = [f"{o}{s}" for o in ("grpo", "gspo") for s in ("", "-replay=R2", "-replay=R3")]
+
+
+def run(arm: str, seed: int, start: float, final: float) -> RunResult:
+    """A finished run whose held-out accuracy (greedy and sampled alike) goes from `start` to `final`."""
+    r = sweeps.Run(index=0, name=f"{arm}-seed={seed}", arm=arm, config="c", overrides={sweeps.SEED: seed})
+    points = ((0, start), (10, final), (20, final), (30, final))
+    records = [{"step": s, ACCURACY: a, SAMPLED: a, "seq_clip_frac": 0.3, "clip_frac": 0.01} for s, a in points]
+    return RunResult(r, "done", records)
+
+
+class Synthetic(claims.Results):
+    """The committed results, with the headline grid replaced by `grid` (arm -> seed -> (start, final))."""
+
+    def __init__(self, grid: dict[str, dict[int, tuple[float, float]]]):
+        super().__init__(ROOT)
+        self.grid = grid
+
+    def arms(self, name):
+        if name != claims.HEADLINE:
+            return super().arms(name)
+        return {a: [run(a, s, *v) for s, v in seeds.items()] for a, seeds in self.grid.items() if seeds}
+
+
+def grid(seeds: int, final: dict[str, float], start: float = 0.5) -> dict:
+    """Every arm of `final` over `seeds` seeds, its final accuracy `final[arm]` plus a seed's own wobble."""
+    return {a: {s: (start, f + 0.01 * ((s * 7 + len(a)) % 5)) for s in range(seeds)} for a, f in final.items()}
+
+
+def test_every_number_is_over_the_seeds_all_arms_share_and_the_verdict_waits_for_five():
+    g = grid(3, dict.fromkeys(ARMS, 0.5))
+    del g["grpo-replay=R3"][2]  # seeds 0 and 1 only
+    g["grpo"][2] = (0.5, 0.0)  # seed 2 of GRPO fell 50 points: not in a number while R3 lacks the seed
+    here, verdict, limits = claims._replay_needed(Synthetic(g))
+    assert "2 seeds)" in here and verdict == "Pending: the headline grid has 2 of 5 seeds"
+    two = claims.iv(claims.gain([run("grpo", s, *g["grpo"][s]) for s in (0, 1)]))
+    assert f"without replay GRPO {two.text()}," in here and two.n == 2
+    assert limits.startswith("2 of 5 seeds in the headline grid")
+    g["gspo"] = {}  # an arm with no finished run: nothing of the grid is reported yet
+    here, verdict, _ = claims._replay_needed(Synthetic(g))
+    assert not here.startswith("Headline") and verdict == "Pending: the headline grid has 0 of 5 seeds"
+
+
+@pytest.mark.parametrize(
+    "grpo_replay, gspo_replay, want",
+    [
+        (0.7, 0.5, "Reproduced: replay helps GRPO and makes no difference to GSPO"),
+        (0.5, 0.5, "Not reproduced: GRPO with R2 includes 0, GRPO with R3 includes 0, GSPO with R2 includes 0"),
+        (0.7, 0.3, "Not reproduced: GRPO with R2 above 0, GRPO with R3 above 0, GSPO with R2 below 0"),
+    ],
+)
+def test_with_five_seeds_the_replay_verdict_follows_the_intervals(grpo_replay, gspo_replay, want):
+    final = {"grpo": 0.5, "gspo": 0.5}
+    final.update({f"grpo-replay={r}": grpo_replay for r in ("R2", "R3")})
+    final.update({f"gspo-replay={r}": gspo_replay for r in ("R2", "R3")})
+    _, verdict, _ = claims._replay_needed(Synthetic(grid(5, final)))
+    assert verdict.startswith(want)
+
+
+@pytest.mark.parametrize(
+    "none, r3, want",
+    [
+        (0.2, 0.5, "Reproduced: R3 stops the collapse"),  # 30 points down without replay, none with R3
+        (0.2, 0.2, "Not reproduced: GRPO collapses with R3 too"),
+        (0.48, 0.5, "Not tested: GRPO without replay collapsed in 0/5"),
+    ],
+)
+def test_with_five_seeds_the_r3_verdict_reads_the_collapses_and_the_paired_difference(none, r3, want):
+    final = dict.fromkeys(ARMS, 0.5) | {"grpo": none, "grpo-replay=R3": r3}
+    here, verdict, _ = claims._r3_collapse(Synthetic(grid(5, final)))
+    assert verdict.startswith(want)
+    assert "GSPO in the same grid (beside the pre-registered test, 5 seeds): collapsed in 0/5" in here
+
+
+def test_the_instruments_verdict_names_what_helps_and_what_hurts_once_each_has_three_seeds():
+    final = dict.fromkeys(ARMS, 0.5)
+    instruments = {f"{o}-{s}": 0.5 for s in claims.INSTRUMENTS for o in ("grpo", "gspo")}
+    del instruments["gspo-icepop=True"]  # GSPO has no token ratio to mask
+    instruments |= {"grpo-replay=R3W": 0.7, "gspo-router_shift=True": 0.3}
+    g = grid(3, final | instruments)
+    g.update({a: dict(list(g[a].items())[:2]) for a in instruments if a != "grpo-replay=R3W"})  # 2 seeds there
+    here, verdict, _ = claims._instruments(Synthetic(g))
+    assert verdict == "Pending: the headline grid has 2 of 3 seeds" and "weight replay (R3W) on GRPO +" in here
+    _, verdict, _ = claims._instruments(Synthetic(grid(3, final | instruments)))
+    assert verdict == "Helps: weight replay (R3W) (GRPO); hurts: RSPO's router-shift ratio (GSPO)"
