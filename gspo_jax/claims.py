@@ -333,8 +333,8 @@ def _instruments(res: Results) -> tuple[str, str, str]:
             ("; hurts: " + ", ".join(worse)) if worse else ""
         )
     limits = (
-        f"{k} of {INSTRUMENT_SEEDS} seeds on every instrument; in the regime the mechanism row describes, where "
-        "off-policy GRPO loses a few points and does not collapse"
+        f"{k} of {INSTRUMENT_SEEDS} seeds on every instrument; the headline grid's regime and confounds (the replay "
+        "row)"
     )
     return here, verdict, limits
 
