@@ -65,8 +65,15 @@ def test_with_five_seeds_the_replay_verdict_follows_the_intervals(grpo_replay, g
     final = {"grpo": 0.5, "gspo": 0.5}
     final.update({f"grpo-replay={r}": grpo_replay for r in ("R2", "R3")})
     final.update({f"gspo-replay={r}": gspo_replay for r in ("R2", "R3")})
-    _, verdict, _ = claims._replay_needed(Synthetic(grid(5, final)))
+    res = Synthetic(grid(5, final))
+    _, verdict, limits = claims._replay_needed(res)
     assert verdict.startswith(want)
+    # a null result with its power: each GRPO interval's half-width, the smallest difference it resolves
+    arms = res.arms(claims.HEADLINE)
+    resolved = limits.split("differences beyond ±")[1].split(" (GRPO)")[0]
+    for r in ("R2", "R3"):
+        d = claims.paired(claims.final(arms[f"grpo-replay={r}"]), claims.final(arms["grpo"]))
+        assert f"{100 * (d.hi - d.lo) / 2:.1f}" in resolved.split("–"), (resolved, d)
 
 
 @pytest.mark.parametrize(
