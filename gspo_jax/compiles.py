@@ -113,29 +113,31 @@ _BACKGROUND = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="gspo_
 
 
 class Program:
-    """A jitted function with its static arguments bound: called like the function on the rest, and
-    lowered for abstract ones (`lower`: AOT, profiling) without unpacking anything. `in_background`
-    gives a copy compiled ahead, on a background thread."""
+    """A jitted function with its static arguments bound, and after them `args`, arrays it takes as
+    arguments rather than as constants (a learning-rate schedule: programs that differ only in those
+    compile once): called like the function on the rest, and lowered for abstract ones (`lower`:
+    AOT, profiling) without unpacking anything. `in_background` gives a copy compiled ahead, on a
+    background thread."""
 
-    def __init__(self, jitted, *static):
-        self.jitted, self.static = jitted, static
+    def __init__(self, jitted, *static, args: tuple = ()):
+        self.jitted, self.static, self.args = jitted, static, args
         self._compiled: concurrent.futures.Future | None = None
 
     def __call__(self, *args):
         if self._compiled is not None:
-            return self._compiled.result()(*args)
-        return self.jitted(*self.static, *args)
+            return self._compiled.result()(*self.args, *args)
+        return self.jitted(*self.static, *self.args, *args)
 
     def lower(self, *abstract) -> jax.stages.Lowered:
         """The program lowered for `abstract` arguments (ShapeDtypeStructs with shardings)."""
-        return self.jitted.lower(*self.static, *abstract)
+        return self.jitted.lower(*self.static, *self.args, *abstract)
 
     def in_background(self, *abstract) -> "Program":
         """This program compiled for `abstract` arguments on a background thread, so a run's first
         iteration does not wait for programs that are needed later (XLA releases the GIL while it
         compiles). Its first call waits for the compile, and every call runs that one executable
         (arguments of another shape or sharding raise TypeError, never recompile)."""
-        ahead = Program(self.jitted, *self.static)
+        ahead = Program(self.jitted, *self.static, args=self.args)
         ahead._compiled = _BACKGROUND.submit(lambda: self.lower(*abstract).compile())
         return ahead
 

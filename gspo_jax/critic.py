@@ -81,8 +81,7 @@ class CriticStep:
     """The static part of the critic's update (hashable, part of `train.StepConfig`)."""
 
     graphdef: nnx.GraphDef
-    optimizer: optimizer_lib.OptimizerConfig
-    total_steps: int
+    optimizer: optimizer_lib.AdamW  # its schedule is an argument of the step (`train.Schedules`)
     value_clip: float
 
 
@@ -180,11 +179,12 @@ def value_loss(
     )
 
 
-def update(static: CriticStep, state: CriticState, micro) -> tuple[CriticState, dict]:
+def update(static: CriticStep, schedule: optimizer_lib.Schedule, state: CriticState, micro) -> tuple[CriticState, dict]:
     """One critic update on a minibatch given as micro-batches (`micro`: batch fields stacked [M, ...]
-    with `tokens`, `positions`, `loss_mask`, `values` and `returns`), with its own optimizer; skipped
-    (state unchanged, counted in `critic_skipped`) if anything it would write is not finite."""
-    tx = optimizer_lib.make_optimizer(static.optimizer, static.total_steps)
+    with `tokens`, `positions`, `loss_mask`, `values` and `returns`), with its own optimizer on
+    `schedule`; skipped (state unchanged, counted in `critic_skipped`) if anything it would write is
+    not finite."""
+    tx = optimizer_lib.make_optimizer(static.optimizer)
     M = micro.tokens.shape[0]
     denominator = jnp.maximum(jnp.sum(micro.loss_mask > 0), 1).astype(jnp.float32)
 
@@ -201,7 +201,7 @@ def update(static: CriticStep, state: CriticState, micro) -> tuple[CriticState, 
     grads, stacked = jax.lax.scan(accumulate, jax.tree.map(jnp.zeros_like, state.params), micro)
     metrics = metrics_lib.reduce(stacked)
     grad_norm = optax.tree.norm(grads)
-    params, opt_state, ok = optimizer_lib.apply_if_finite(tx, grads, grad_norm, state.opt_state, state.params)
+    params, opt_state, ok = optimizer_lib.apply_if_finite(tx, schedule, grads, grad_norm, state.opt_state, state.params)
     state = CriticState(step=state.step + ok.astype(jnp.int32), params=params, opt_state=opt_state)
     metrics.update(critic_grad_norm=Mean(grad_norm, 1), critic_skipped=Count((~ok).astype(jnp.float32)))
     return state, metrics
@@ -212,7 +212,7 @@ def init_state(
 ) -> CriticState:
     """A fresh critic state in `shardings` (parameters from `init_params`)."""
     params = init_params(cfg, policy_params, seed, shardings.params)
-    tx = optimizer_lib.make_optimizer(static.optimizer, static.total_steps)
+    tx = optimizer_lib.make_optimizer(static.optimizer)
     opt_state = optimizer_lib.init_state(tx, params, shardings.params, shardings.opt_state)
     return jax.device_put(CriticState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state), shardings)
 
@@ -221,7 +221,7 @@ def state_shardings(static: CriticStep, abstract_params: nnx.State, mesh) -> Cri
     """Where the critic's state lives: parameters by the rules table, moments like them."""
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     param_sh = sharding.param_shardings(mesh, abstract_params)
-    tx = optimizer_lib.make_optimizer(static.optimizer, static.total_steps)
+    tx = optimizer_lib.make_optimizer(static.optimizer)
     return CriticState(
         step=rep, params=param_sh, opt_state=optimizer_lib.state_shardings(tx, abstract_params, param_sh, mesh)
     )

@@ -1,15 +1,18 @@
 """The optimizer of a run (RL updates and the supervised warm start alike): AdamW on a linear-warmup,
 cosine-decay schedule, after optional global-norm clipping, with the MoE router optionally frozen; and
-its state, initialised on the mesh."""
+its state, initialised on the mesh. The schedule's numbers are arrays given to each update (`Schedule`),
+not constants compiled into it: runs that differ only in learning rate or length share one program."""
 
 from __future__ import annotations
 
 import dataclasses
 import functools
 from collections.abc import Mapping
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from gspo_jax import sharding as sharding_lib
@@ -49,6 +52,57 @@ class OptimizerConfig:
     def from_config(cls, section: Mapping, owner: str) -> OptimizerConfig:
         names = [f.name for f in dataclasses.fields(cls) if f.name != "owner"]
         return cls(**{k: section[k] for k in names if k in section}, owner=owner)
+
+    @property
+    def rule(self) -> AdamW:
+        """The update rule without the schedule: what a compiled step depends on."""
+        return AdamW(self.weight_decay, self.max_grad_norm, self.b1, self.b2, self.freeze_router)
+
+    def schedule(self, total_steps: int) -> Schedule:
+        """The schedule's numbers over `total_steps` updates: linear warmup from 0 over `warmup_steps`
+        (at least 1), then cosine decay to `end_lr_factor` × `learning_rate` at `total_steps` (at least
+        one update past the warmup), as `optax.warmup_cosine_decay_schedule` has them."""
+        warmup = max(self.warmup_steps, 1)
+        decay = max(total_steps, warmup + 1) - warmup
+        peak = self.learning_rate
+        alpha = self.learning_rate * self.end_lr_factor / peak  # optax's end_value / peak_value
+        f32, i32 = np.float32, np.int32
+        return Schedule(f32(peak), f32(0.0 - peak), i32(warmup), i32(decay), f32(alpha), f32(1 - alpha))
+
+
+@dataclasses.dataclass(frozen=True)
+class AdamW:
+    """AdamW's update rule less its schedule: the static part of a step (hashable), so steps whose
+    optimizers differ only in learning rate or schedule length compile once."""
+
+    weight_decay: float = 0.0
+    max_grad_norm: float = 0.0  # 0: no clipping
+    b1: float = 0.9
+    b2: float = 0.999
+    freeze_router: bool = False
+
+
+class Schedule(NamedTuple):
+    """A warmup-cosine schedule's numbers, as float32 / int32 scalars (a program's argument): its peak,
+    0 − peak (the warmup's start less its end), the warmup's updates, the decay's updates, and the
+    decay's floor α as a fraction of the peak and 1 − α."""
+
+    peak: np.ndarray
+    start_less_peak: np.ndarray
+    warmup: np.ndarray
+    decay: np.ndarray
+    alpha: np.ndarray
+    one_less_alpha: np.ndarray
+
+
+def learning_rate(s: Schedule, count: jax.Array) -> jax.Array:
+    """The learning rate at update `count` (0-based): `optax.warmup_cosine_decay_schedule`'s arithmetic
+    op for op (its linear warmup, its cosine decay, joined at the warmup's end), so bit for bit its
+    value with the same numbers as constants."""
+    warm = s.start_less_peak * (1 - jnp.clip(count, 0, s.warmup) / s.warmup) + s.peak
+    after = jnp.minimum(count - s.warmup, s.decay)  # int32: as a float32 count, the cosine was ulps off optax's
+    cosine = 0.5 * (1 + jnp.cos(jnp.pi * after / s.decay))
+    return jnp.where(count < s.warmup, warm, s.peak * (s.one_less_alpha * cosine + s.alpha))
 
 
 def clip_by_global_norm(max_norm: float, given_norm: bool = True) -> optax.GradientTransformationExtraArgs:
@@ -101,28 +155,34 @@ def frozen_router() -> optax.GradientTransformation:
     return optax.GradientTransformation(optax.init_empty_state, update)
 
 
-@functools.cache
-def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> optax.GradientTransformationExtraArgs:
-    """AdamW with linear warmup then cosine decay to end_lr_factor·lr over `total_steps` updates.
-    With `freeze_router` the routers' gradients are zeroed first (out of the clipping norm, their
-    moments stay 0) and their updates last (AdamW's weight decay moves a weight even at gradient 0).
+def scheduled_adamw(rule: AdamW) -> optax.GradientTransformationExtraArgs:
+    """optax's AdamW whose learning rate comes with each update (`tx.update(..., schedule=Schedule)`):
+    optax's own transformation, built per update around the given numbers, so its state and its
+    arithmetic are optax's."""
+    make = lambda lr: optax.adamw(lr, b1=rule.b1, b2=rule.b2, weight_decay=rule.weight_decay)
 
-    Cached: equal configs give the same (stateless) transformation, so functions jitted with it as a
+    def update(updates, state, params=None, *, schedule: Schedule, **extra_args):
+        del extra_args
+        return make(functools.partial(learning_rate, schedule)).update(updates, state, params)
+
+    return optax.GradientTransformationExtraArgs(make(lambda count: 0.0).init, update)
+
+
+@functools.cache
+def make_optimizer(rule: AdamW) -> optax.GradientTransformationExtraArgs:
+    """AdamW on the schedule each update is given (`schedule=`, a `Schedule`). With `freeze_router`
+    the routers' gradients are zeroed first (out of the clipping norm, their moments stay 0) and their
+    updates last (AdamW's weight decay moves a weight even at gradient 0).
+
+    Cached: equal rules give the same (stateless) transformation, so functions jitted with it as a
     static argument compile once per process."""
-    schedule = optax.warmup_cosine_decay_schedule(
-        0.0,
-        cfg.learning_rate,
-        max(cfg.warmup_steps, 1),
-        max(total_steps, cfg.warmup_steps + 1),
-        end_value=cfg.learning_rate * cfg.end_lr_factor,
-    )
-    adamw = optax.adamw(schedule, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay)
-    if cfg.freeze_router:
-        clip = [clip_by_global_norm(cfg.max_grad_norm, given_norm=False)] if cfg.max_grad_norm > 0 else []
+    adamw = scheduled_adamw(rule)
+    if rule.freeze_router:
+        clip = [clip_by_global_norm(rule.max_grad_norm, given_norm=False)] if rule.max_grad_norm > 0 else []
         return optax.chain(frozen_router(), *clip, adamw, frozen_router())
-    if cfg.max_grad_norm > 0:
-        return optax.chain(clip_by_global_norm(cfg.max_grad_norm), adamw)
-    return optax.with_extra_args_support(adamw)
+    if rule.max_grad_norm > 0:
+        return optax.chain(clip_by_global_norm(rule.max_grad_norm), adamw)
+    return adamw
 
 
 def state_shardings(tx: optax.GradientTransformation, params, param_shardings, mesh):
@@ -164,9 +224,12 @@ def _finite_per_parameter(params, opt_state) -> jax.Array:
     return functools.reduce(jnp.logical_and, map(jnp.all, finite), all_finite(rest))
 
 
-def apply_if_finite(tx: optax.GradientTransformationExtraArgs, grads, grad_norm, opt_state, params, ok=True):
-    """(params, opt_state, applied): `tx`'s update applied if `ok`, `grad_norm` and everything the
-    update would write (parameters and optimizer state) are finite; else the old state, unchanged.
+def apply_if_finite(
+    tx: optax.GradientTransformationExtraArgs, schedule: Schedule, grads, grad_norm, opt_state, params, ok=True
+):
+    """(params, opt_state, applied): `tx`'s update on `schedule` applied if `ok`, `grad_norm` and
+    everything the update would write (parameters and optimizer state) are finite; else the old state,
+    unchanged.
 
     Two passes over the state instead of about four: a read-only one computes the would-be state and
     reduces it to the check (the barrier keeps XLA from sharing those values with the update's, which
@@ -174,7 +237,7 @@ def apply_if_finite(tx: optax.GradientTransformationExtraArgs, grads, grad_norm,
     writes it in place over the (donated) old state. `grad_norm` is handed to the clipping."""
 
     def update(p, o, g, norm):
-        updates, o = tx.update(g, o, p, grad_norm=norm)
+        updates, o = tx.update(g, o, p, grad_norm=norm, schedule=schedule)
         return optax.apply_updates(p, updates), o
 
     args = (params, opt_state, grads, grad_norm)

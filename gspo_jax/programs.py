@@ -22,6 +22,7 @@ from gspo_jax import optimizer as optimizer_lib
 from gspo_jax import sharding as sharding_lib
 from gspo_jax.compiles import Program
 from gspo_jax.train import (
+    Schedules,
     Scored,
     StepConfig,
     TrainBatch,
@@ -75,7 +76,7 @@ def compile_programs(built: config_lib.Built, graphdef, params, mesh: jax.shardi
     t = built.train
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     param_sh = sharding_lib.param_shardings(mesh, params)
-    tx = optimizer_lib.make_optimizer(built.optimizer, t.updates)
+    tx = optimizer_lib.make_optimizer(built.optimizer.rule)
     opt_sh = optimizer_lib.state_shardings(tx, params, param_sh, mesh)
     state_sh = TrainState(step=rep, params=param_sh, opt_state=opt_sh, rng=rep)
     # Module-level functions with their static arguments marked, not closures: equal configs (a run
@@ -96,8 +97,7 @@ def compile_programs(built: config_lib.Built, graphdef, params, mesh: jax.shardi
     static = StepConfig(
         graphdef=graphdef,
         loss=built.loss,
-        optimizer=built.optimizer,
-        total_steps=t.updates,
+        optimizer=built.optimizer.rule,
         temperature=temperature,
         replay=t.routing_replay,
         microbatches=built.microbatches,
@@ -105,12 +105,14 @@ def compile_programs(built: config_lib.Built, graphdef, params, mesh: jax.shardi
         on_policy=shares_old_forward(t, built.loss, critic_cfg, built.rollout.staleness),
         critic=critic_static,
     )
+    critic_schedule = built.critic_optimizer.schedule(t.updates) if critic_cfg else None
+    schedules = jax.device_put(Schedules(built.optimizer.schedule(t.updates), critic_schedule), rep)
     step = jax.jit(
         on_mesh(train_step),
         static_argnums=0,
-        in_shardings=(state_sh, batch_sh),
+        in_shardings=(rep, state_sh, batch_sh),
         out_shardings=(state_sh, rep, scored_sh if static.on_policy else None),
-        donate_argnums=1,
+        donate_argnums=2,
         compiler_options=options,
     )
     score, score_replayed, score_router = _scoring_programs(
@@ -124,7 +126,7 @@ def compile_programs(built: config_lib.Built, graphdef, params, mesh: jax.shardi
         compiler_options=options,
     )
     return Programs(
-        train_step=Program(step, static),
+        train_step=Program(step, static, args=(schedules,)),
         take=jax.jit(take_rows, in_shardings=(batch_sh, rep), out_shardings=batch_sh),
         take_scored=jax.jit(take_rows, in_shardings=(scored_sh, rep), out_shardings=scored_sh),
         score=score,
@@ -145,9 +147,7 @@ def _critic_programs(built: config_lib.Built, mesh, batch_sh: TrainBatch, option
     """PPO's critic: its step's static half, its state's shardings, the advantage estimate and its init."""
     critic_cfg, rep = built.critic, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     critic_graphdef, abstract_critic = critic_lib.abstract(critic_cfg.model)
-    critic_static = critic_lib.CriticStep(
-        critic_graphdef, built.critic_optimizer, built.train.updates, critic_cfg.value_clip
-    )
+    critic_static = critic_lib.CriticStep(critic_graphdef, built.critic_optimizer.rule, critic_cfg.value_clip)
     critic_sh = critic_lib.state_shardings(critic_static, abstract_critic, mesh)
     estimate = jax.jit(
         sharding_lib.under_mesh(critic_lib.with_advantages, mesh=mesh),

@@ -108,8 +108,7 @@ class StepConfig:
 
     graphdef: nnx.GraphDef
     loss: losses.LossConfig
-    optimizer: optimizer_lib.OptimizerConfig
-    total_steps: int
+    optimizer: optimizer_lib.AdamW  # its schedule is an argument (`Schedules`)
     temperature: float  # log-probs are scored at the sampling temperature
     replay: str  # config.REPLAY: route with the batch's top-k (R2 / R3) instead of the live router
     microbatches: int
@@ -159,6 +158,13 @@ def forced_routing(replay: str, batch: TrainBatch):
     return (batch.topk, batch.gates) if replay == "R3W" else batch.topk
 
 
+class Schedules(NamedTuple):
+    """The learning-rate schedules of a step, an argument of it: the policy's and the critic's (PPO)."""
+
+    policy: optimizer_lib.Schedule
+    critic: optimizer_lib.Schedule | None = None
+
+
 class Scored(NamedTuple):
     """An on-policy update's forward at π_old: the batch's π_old log-probs and routing, by the names of
     the `TrainBatch` fields they fill."""
@@ -168,7 +174,7 @@ class Scored(NamedTuple):
 
 
 def train_step(
-    static: StepConfig, state: TrainState, batch: TrainBatch
+    static: StepConfig, schedules: Schedules, state: TrainState, batch: TrainBatch
 ) -> tuple[TrainState, dict[str, Any], Scored | None]:
     """One optimizer update on one minibatch, accumulated over `microbatches` with the minibatch's
     loss denominator, so the policy loss and its gradient equal the full minibatch's (the MoE load-
@@ -178,7 +184,7 @@ def train_step(
     the forward provides them, and they come back as `Scored`. With `static.critic` (PPO) the critic
     is updated too, on the same micro-batches, with its own optimizer (`critic.update`)."""
     cfg, M = static.loss, static.microbatches
-    tx = optimizer_lib.make_optimizer(static.optimizer, static.total_steps)
+    tx = optimizer_lib.make_optimizer(static.optimizer)
     correct = lambda old_BT, b: mismatch.corrections(cfg, old_BT, b.sampler_logp, b.loss_mask)
     # MIS drops tokens from the denominator too: it is the minibatch's, corrected (never on-policy).
     # The masks (IcePop, geometric, off-policy) zero losses inside it: they leave it as it is.
@@ -239,13 +245,14 @@ def train_step(
     grad_norm = optax.tree.norm(grads)
     # Skip the update if anything it would write is not finite (the loss and gradient, but also an
     # overflowing optimizer moment or parameter): a run never saves a non-finite state.
+    finite_loss = jnp.isfinite(metrics["total_loss"].total)
     params, opt_state, ok = optimizer_lib.apply_if_finite(
-        tx, grads, grad_norm, state.opt_state, state.params, jnp.isfinite(metrics["total_loss"].total)
+        tx, schedules.policy, grads, grad_norm, state.opt_state, state.params, finite_loss
     )
     state = state.replace(step=state.step + ok.astype(jnp.int32), params=params, opt_state=opt_state)
     metrics.update(grad_norm=Mean(grad_norm, 1), skipped=Count((~ok).astype(jnp.float32)))
     if static.critic is not None:  # its own loss, gradient, optimizer and skip; the same micro-batches
-        critic_state, critic_metrics = critic_lib.update(static.critic, state.critic, micro)
+        critic_state, critic_metrics = critic_lib.update(static.critic, schedules.critic, state.critic, micro)
         state = state.replace(critic=critic_state)
         metrics.update(critic_metrics)
     return state, metrics_lib.per_update(metrics), scored

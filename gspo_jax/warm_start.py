@@ -28,7 +28,7 @@ from gspo_jax.tasks import prompt_iterator
 from gspo_jax.workdir import Lock
 
 
-def sft_step(graphdef, tx, params, opt_state, tokens_BT, positions_BT, mask_BT):
+def sft_step(graphdef, tx, schedule, params, opt_state, tokens_BT, positions_BT, mask_BT):
     """One supervised step: mean token cross-entropy on the demonstration tokens (+ MoE aux losses)."""
 
     def loss_fn(p):
@@ -36,7 +36,7 @@ def sft_step(graphdef, tx, params, opt_state, tokens_BT, positions_BT, mask_BT):
         return -jnp.sum(logp_BT * mask_BT) / jnp.maximum(jnp.sum(mask_BT), 1.0) + aux.aux_loss
 
     loss, grads = jax.value_and_grad(loss_fn)(params)
-    updates, opt_state = tx.update(grads, opt_state, params)
+    updates, opt_state = tx.update(grads, opt_state, params, schedule=schedule)
     return optax.apply_updates(params, updates), opt_state, loss
 
 
@@ -78,16 +78,17 @@ def train_on_demonstrations(
 ) -> tuple[Any, dict[str, float]]:
     """`warm_start.steps` supervised steps on batches of (prompt, demonstration + EOS)."""
     w, task, tokenizer = built.warm_start, rollout.task, rollout.tokenizer
-    tx = optimizer_lib.make_optimizer(w.optimizer, w.steps)
+    tx = optimizer_lib.make_optimizer(w.optimizer.rule)
     param_sh = jax.tree.map(lambda x: x.sharding, params)
     opt_sh = optimizer_lib.state_shardings(tx, params, param_sh, mesh)
     opt_state = optimizer_lib.init_state(tx, params, param_sh, opt_sh)
     b2 = sharding_lib.batch_sharding(mesh, 2)
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+    schedule = jax.device_put(w.optimizer.schedule(w.steps), rep)
     step = jax.jit(
         sharding_lib.under_mesh(functools.partial(sft_step, graphdef, tx), mesh),
-        donate_argnums=(0, 1),
-        in_shardings=(param_sh, opt_sh, b2, b2, b2),
+        donate_argnums=(1, 2),
+        in_shardings=(rep, param_sh, opt_sh, b2, b2, b2),
         out_shardings=(param_sh, opt_sh, rep),
         compiler_options=compiles.step_options(built.cpu_fast_compile),
     )
@@ -108,7 +109,7 @@ def train_on_demonstrations(
         positions_BT = np.asarray(model_lib.positions_from_mask(jnp.asarray(pm_BT | cm_BT)))
         # Host arrays, the same on every process: each places its devices' rows.
         batch = jax.device_put((tokens_BT, positions_BT, cm_BT.astype(np.float32)), b2)
-        params, opt_state, loss = step(params, opt_state, *batch)
+        params, opt_state, loss = step(schedule, params, opt_state, *batch)
         sft_losses.append(float(loss))
     info = dict(sft_loss_first=sft_losses[0], sft_loss_last=float(np.mean(sft_losses[-10:])), sft_steps=w.steps)
     return params, info

@@ -201,8 +201,9 @@ def test_the_critic_leaves_the_policy_update_as_it_was(ppo):
     state = s.state()
     static = s.programs.step_config
     no_critic = dataclasses.replace(static, critic=None)
+    schedules = s.programs.train_step.args[0]._replace(critic=None)
     fn = jax.jit(train.train_step, static_argnums=0)
-    without, m2, _ = fn(no_critic, state.replace(critic=None), batch.replace(values=None, returns=None))
+    without, m2, _ = fn(no_critic, schedules, state.replace(critic=None), batch.replace(values=None, returns=None))
     chex.assert_trees_all_equal(with_critic.params, without.params)
     assert "value_loss" in m1 and "value_loss" not in m2
     assert values(m1)["loss"] == values(m2)["loss"]

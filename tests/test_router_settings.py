@@ -24,10 +24,10 @@ def _bits(x) -> np.ndarray:
 
 
 def _steps(cfg: optimizer_lib.OptimizerConfig, params, grads, n=3):
-    tx = optimizer_lib.make_optimizer(cfg, 10)
+    tx, schedule = optimizer_lib.make_optimizer(cfg.rule), cfg.schedule(10)
     state = tx.init(params)
     for _ in range(n):
-        params, state, ok = optimizer_lib.apply_if_finite(tx, grads, optax.tree.norm(grads), state, params)
+        params, state, ok = optimizer_lib.apply_if_finite(tx, schedule, grads, optax.tree.norm(grads), state, params)
         assert ok
     return params, state
 

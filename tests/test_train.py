@@ -24,6 +24,7 @@ from gspo_jax import model as model_lib
 from gspo_jax import optimizer as optimizer_lib
 from gspo_jax import programs as programs_lib
 from gspo_jax import run as run_lib
+from gspo_jax import sharding as sharding_lib
 from gspo_jax.checkpoint import Checkpointer
 from gspo_jax.config import base_config, build
 from gspo_jax.sharding import mesh_from_config
@@ -332,8 +333,9 @@ def test_all_finite_is_exactly_every_element_finite(size, bad):
 
 
 def _adamw_case(lr=1e-2, weight_decay=0.1, max_grad_norm=1.0):
+    """(tx, its 10-update schedule, params, optimizer state, gradients by scale)."""
     cfg = optimizer_lib.OptimizerConfig(lr, weight_decay=weight_decay, max_grad_norm=max_grad_norm)
-    tx = optimizer_lib.make_optimizer(cfg, 10)
+    tx, schedule = optimizer_lib.make_optimizer(cfg.rule), cfg.schedule(10)
     rng = np.random.default_rng(0)
     params = {
         "w": jnp.asarray(rng.normal(size=(3, 5)), jnp.float32),
@@ -341,7 +343,45 @@ def _adamw_case(lr=1e-2, weight_decay=0.1, max_grad_norm=1.0):
     }
     opt_state = tx.init(params)
     grads = lambda scale: jax.tree.map(lambda x: jnp.asarray(rng.normal(size=x.shape) * scale, jnp.float32), params)
-    return tx, params, opt_state, grads
+    return tx, schedule, params, opt_state, grads
+
+
+@pytest.mark.parametrize(
+    "lr, warmup, total, end_factor",
+    [(3e-4, 10, 400, 0.1), (1e-6, 10, 2000, 0.0), (3e-4, 0, 6, 0.1), (2.5e-5, 3, 37, 0.05), (3e38, 0, 4, 0.1)],
+)
+def test_the_schedule_given_as_arrays_is_optaxs_with_constants_bit_for_bit(lr, warmup, total, end_factor):
+    """`learning_rate` on `OptimizerConfig.schedule`'s arrays against optax's warmup-cosine schedule
+    with the same numbers compiled in, at every update of the run and past its end."""
+    cfg = optimizer_lib.OptimizerConfig(lr, warmup_steps=warmup, end_lr_factor=end_factor)
+    ref = optax.warmup_cosine_decay_schedule(0.0, lr, max(warmup, 1), max(total, warmup + 1), end_value=lr * end_factor)
+    counts = jnp.arange(total + 5, dtype=jnp.int32)
+    want = jax.jit(jax.vmap(ref))(counts)
+    got = jax.jit(jax.vmap(optimizer_lib.learning_rate, in_axes=(None, 0)))(cfg.schedule(total), counts)
+    np.testing.assert_array_equal(np.asarray(got).view(np.uint32), np.asarray(want).view(np.uint32))
+    assert float(got[max(warmup, 1)]) == np.float32(lr)  # the peak, right after the warmup
+
+
+def test_runs_that_differ_only_in_learning_rate_and_length_share_one_step_program():
+    """The schedule is an argument of the step, not constants in it: the runs of a learning-rate
+    sweep, or a run extended, lower to the same program (one compile, in process or from the
+    persistent cache), each with its own schedule."""
+    a, b = small("grpo"), small("grpo")
+    b.train.update(learning_rate=3 * a.train.learning_rate, num_iterations=a.train.num_iterations + 7)
+    b.train.update(warmup_steps=a.train.warmup_steps + 2, end_lr_factor=0.5)
+    sa, sb = Setup(a), Setup(b)
+    assert sa.programs.step_config == sb.programs.step_config
+
+    def lowered(s: Setup) -> str:
+        state = programs_lib.abstract_train_state(s.programs, s.params)
+        batch = train.TrainBatch.abstract(s.built, s.mb_size, a.prompt_len + a.max_new_tokens)
+        return s.programs.train_step.lower(state, sharding_lib.abstract(batch, s.programs.batch_shardings)).as_text()
+
+    assert lowered(sa) == lowered(sb)
+    (one,), (other,) = sa.programs.train_step.args, sb.programs.train_step.args
+    assert float(one.policy.peak) == np.float32(a.train.learning_rate) != float(other.policy.peak)
+    assert float(other.policy.peak) == np.float32(b.train.learning_rate)
+    assert int(other.policy.warmup) == int(one.policy.warmup) + 2
 
 
 def test_clip_is_one_scalar_factor_within_an_ulp_of_optax():
@@ -364,14 +404,14 @@ def test_apply_if_finite_is_optax_adamw(max_grad_norm):
     """The two-pass update (check, then a conditional) writes what optax's own clip_by_global_norm +
     adamw chain writes: bit for bit without clipping, within float rounding when it clips (norm 30 > 1;
     a scalar factor instead of optax's per-element divide) or not (norm 0.3 < 1)."""
-    tx, params, opt_state, grads = _adamw_case(max_grad_norm=max_grad_norm)
-    cfg = optimizer_lib.OptimizerConfig(1e-2, weight_decay=0.1)
-    adamw = optimizer_lib.make_optimizer(cfg, 10)
+    tx, schedule, params, opt_state, grads = _adamw_case(max_grad_norm=max_grad_norm)
+    lr = optax.warmup_cosine_decay_schedule(0.0, 1e-2, 1, 10, end_value=1e-3)  # the schedule as constants
+    adamw = optax.adamw(lr, weight_decay=0.1)
     ref_tx = optax.chain(optax.clip_by_global_norm(max_grad_norm), adamw) if max_grad_norm else adamw
 
     @jax.jit
     def ours(p, o, g):
-        return optimizer_lib.apply_if_finite(tx, g, optax.tree.norm(g), o, p)
+        return optimizer_lib.apply_if_finite(tx, schedule, g, optax.tree.norm(g), o, p)
 
     @jax.jit
     def ref(p, o, g):
@@ -397,11 +437,11 @@ def test_apply_if_finite_is_optax_adamw(max_grad_norm):
 def test_apply_if_finite_keeps_the_whole_old_state(case):
     """Any non-finite value the update would write (or a caller's `ok` False) leaves every parameter,
     moment and counter as it was, and says so."""
-    tx, params, opt_state, grads = _adamw_case(
+    tx, schedule, params, opt_state, grads = _adamw_case(
         **({"lr": 1e30, "weight_decay": 1e10} if case == "parameter_overflows" else {})
     )
     g, ok = grads(0.1), True
-    _, opt_state, _ = optimizer_lib.apply_if_finite(tx, g, optax.tree.norm(g), opt_state, params)  # lr > 0 now
+    _, opt_state, _ = optimizer_lib.apply_if_finite(tx, schedule, g, optax.tree.norm(g), opt_state, params)  # lr > 0
     if case == "nan_gradient":
         g = {"w": g["w"].at[1, 2].set(jnp.nan), "b": g["b"]}
     elif case == "not_ok":
@@ -412,12 +452,12 @@ def test_apply_if_finite_keeps_the_whole_old_state(case):
             opt_state[0],
             (adam._replace(nu={"w": adam.nu["w"], "b": (adam.nu["b"][0].at[3].set(jnp.inf),)}), *opt_state[1][1:]),
         )
-    run = jax.jit(lambda p, o, g, ok: optimizer_lib.apply_if_finite(tx, g, optax.tree.norm(g), o, p, ok))
+    run = jax.jit(lambda p, o, g, ok: optimizer_lib.apply_if_finite(tx, schedule, g, optax.tree.norm(g), o, p, ok))
     p, o, applied = run(params, opt_state, g, jnp.asarray(ok))
     assert not bool(applied)
     chex.assert_trees_all_equal((p, jax.tree.leaves(o)), (params, jax.tree.leaves(opt_state)))
     if case == "parameter_overflows":  # the check is what stopped it: the plain update overflows
-        u, _ = tx.update(g, opt_state, params)
+        u, _ = tx.update(g, opt_state, params, schedule=schedule)
         assert not np.isfinite(np.asarray(optax.apply_updates(params, u)["w"])).all()
 
 

@@ -65,22 +65,23 @@ def critic_cost(tiny: bool, repeats: int) -> dict:
     out["score_seconds"] = best_time(lambda: programs.score(state.params, full.tokens, full.positions), repeats * 4)
     full, _ = programs.estimate(state.critic.params, full, rewards)
     batch = programs.take(full, np.arange(mb))
-    static = programs.step_config
-    step = jax.jit(train.train_step, static_argnums=0, donate_argnums=1)
+    static, (schedules,) = programs.step_config, programs.train_step.args
+    step = jax.jit(train.train_step, static_argnums=0, donate_argnums=2)
     variants = dict(
-        with_critic=(static, state, batch),
+        with_critic=(static, schedules, state, batch),
         without_critic=(
             dataclasses.replace(static, critic=None),
+            schedules._replace(critic=None),
             state.replace(critic=None),
             batch.replace(values=None, returns=None),
         ),
     )
-    for name, (st, s0, b) in variants.items():
+    for name, (st, sc, s0, b) in variants.items():
         held = [jax.tree.map(jnp.copy, s0)]
-        compiled = step.lower(st, held[0], b).compile()  # one compile: timed, and its memory read
+        compiled = step.lower(st, sc, held[0], b).compile()  # one compile: timed, and its memory read
 
-        def run(compiled=compiled, b=b, held=held):
-            held[0], m, _ = compiled(held[0], b)
+        def run(compiled=compiled, sc=sc, b=b, held=held):
+            held[0], m, _ = compiled(sc, held[0], b)
             return m
 
         out[f"step_{name}_seconds"] = best_time(run, repeats * 4)
