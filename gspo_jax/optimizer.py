@@ -67,7 +67,17 @@ class OptimizerConfig:
         peak = self.learning_rate
         alpha = self.learning_rate * self.end_lr_factor / peak  # optax's end_value / peak_value
         f32, i32 = np.float32, np.int32
-        return Schedule(f32(peak), f32(0.0 - peak), i32(warmup), i32(decay), f32(alpha), f32(1 - alpha))
+        inverse = lambda n: f32(1) / f32(n)  # in float32, as XLA inverts a constant divisor
+        return Schedule(
+            f32(peak),
+            f32(0.0 - peak),
+            i32(warmup),
+            inverse(warmup),
+            i32(decay),
+            inverse(decay),
+            f32(alpha),
+            f32(1 - alpha),
+        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,24 +94,27 @@ class AdamW:
 
 class Schedule(NamedTuple):
     """A warmup-cosine schedule's numbers, as float32 / int32 scalars (a program's argument): its peak,
-    0 − peak (the warmup's start less its end), the warmup's updates, the decay's updates, and the
-    decay's floor α as a fraction of the peak and 1 − α."""
+    0 − peak (the warmup's start less its end), the warmup's and the decay's updates and their
+    float32 inverses, and the decay's floor α as a fraction of the peak and 1 − α."""
 
     peak: np.ndarray
     start_less_peak: np.ndarray
     warmup: np.ndarray
+    inverse_warmup: np.ndarray
     decay: np.ndarray
+    inverse_decay: np.ndarray
     alpha: np.ndarray
     one_less_alpha: np.ndarray
 
 
 def learning_rate(s: Schedule, count: jax.Array) -> jax.Array:
-    """The learning rate at update `count` (0-based): `optax.warmup_cosine_decay_schedule`'s arithmetic
-    op for op (its linear warmup, its cosine decay, joined at the warmup's end), so bit for bit its
-    value with the same numbers as constants."""
-    warm = s.start_less_peak * (1 - jnp.clip(count, 0, s.warmup) / s.warmup) + s.peak
-    after = jnp.minimum(count - s.warmup, s.decay)  # int32: as a float32 count, the cosine was ulps off optax's
-    cosine = 0.5 * (1 + jnp.cos(jnp.pi * after / s.decay))
+    """The learning rate at update `count` (0-based, a scalar): bit for bit what XLA computes for
+    `optax.warmup_cosine_decay_schedule` with the same numbers as constants. That is optax's
+    arithmetic op for op, except that XLA turns its divisions by a constant number of updates into
+    multiplications by the constant's float32 inverse, so these are multiplications too."""
+    warm = s.start_less_peak * (1 - jnp.clip(count, 0, s.warmup) * s.inverse_warmup) + s.peak
+    after = jnp.minimum(count - s.warmup, s.decay)
+    cosine = 0.5 * (1 + jnp.cos(jnp.pi * after * s.inverse_decay))
     return jnp.where(count < s.warmup, warm, s.peak * (s.one_less_alpha * cosine + s.alpha))
 
 
