@@ -66,13 +66,13 @@ def train_step_program(shape: str):
     B = built.batch_size // built.train.minibatches
     batch = jax.device_put(random_batch(programs, params, B, c.prompt_len, c.max_new_tokens), programs.batch_shardings)
     state = [programs_lib.init_train_state(programs, params, 0)]
-    compiled = programs.train_step.lower(state[0], batch).compile()
+    step = programs.train_step.compile(state[0], batch)
 
     def call():
-        state[0], metrics, _ = compiled(state[0], batch)  # the same minibatch every call, as benchmarks.run times it
+        state[0], metrics, _ = step(state[0], batch)  # the same minibatch every call, as benchmarks.run times it
         return metrics
 
-    return call, compiled.as_text()
+    return call, step.executable.as_text()
 
 
 def sampler_program(shape: str, max_new_tokens: int = 0):

@@ -132,6 +132,21 @@ class Program:
         """The program lowered for `abstract` arguments (ShapeDtypeStructs with shardings)."""
         return self.jitted.lower(*self.static, *self.args, *abstract)
 
+    def compile(self, *abstract) -> "Program":
+        """This program compiled now for `abstract` arguments: called like this one, every call runs
+        that one executable (`executable`: its HLO text, its memory analysis)."""
+        ahead = Program(self.jitted, *self.static, args=self.args)
+        ahead._compiled = concurrent.futures.Future()
+        ahead._compiled.set_result(self.lower(*abstract).compile())
+        return ahead
+
+    @property
+    def executable(self) -> jax.stages.Compiled:
+        """The executable of a program from `compile` or `in_background` (waiting for its compile)."""
+        if self._compiled is None:
+            raise ValueError("not compiled ahead: use Program.compile or Program.in_background")
+        return self._compiled.result()
+
     def in_background(self, *abstract) -> "Program":
         """This program compiled for `abstract` arguments on a background thread, so a run's first
         iteration does not wait for programs that are needed later (XLA releases the GIL while it

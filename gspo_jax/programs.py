@@ -105,8 +105,10 @@ def compile_programs(built: config_lib.Built, graphdef, params, mesh: jax.shardi
         on_policy=shares_old_forward(t, built.loss, critic_cfg, built.rollout.staleness),
         critic=critic_static,
     )
+    # Host scalars, placed by the step's in_shardings at each call: nothing on a device before it runs
+    # (a deviceless AOT compile has none).
     critic_schedule = built.critic_optimizer.schedule(t.updates) if critic_cfg else None
-    schedules = jax.device_put(Schedules(built.optimizer.schedule(t.updates), critic_schedule), rep)
+    schedules = Schedules(built.optimizer.schedule(t.updates), critic_schedule)
     step = jax.jit(
         on_mesh(train_step),
         static_argnums=0,

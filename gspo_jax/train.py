@@ -178,7 +178,8 @@ def train_step(
 ) -> tuple[TrainState, dict[str, Any], Scored | None]:
     """One optimizer update on one minibatch, accumulated over `microbatches` with the minibatch's
     loss denominator, so the policy loss and its gradient equal the full minibatch's (the MoE load-
-    balancing and z losses are batch statistics, computed per micro-batch as everywhere). A non-finite
+    balancing and z losses are batch statistics, computed per micro-batch as everywhere), at the
+    learning rates `schedules` give for the update count (arrays, not constants of the program). A non-finite
     loss or gradient leaves the state untouched and is counted in `skipped`. Metrics are per update
     (`metrics.per_update`). With `static.on_policy`, `batch.old_logp` and `batch.topk` are not read:
     the forward provides them, and they come back as `Scored`. With `static.critic` (PPO) the critic

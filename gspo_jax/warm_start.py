@@ -84,7 +84,7 @@ def train_on_demonstrations(
     opt_state = optimizer_lib.init_state(tx, params, param_sh, opt_sh)
     b2 = sharding_lib.batch_sharding(mesh, 2)
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    schedule = jax.device_put(w.optimizer.schedule(w.steps), rep)
+    schedule = w.optimizer.schedule(w.steps)  # host scalars, placed by in_shardings
     step = jax.jit(
         sharding_lib.under_mesh(functools.partial(sft_step, graphdef, tx), mesh),
         donate_argnums=(1, 2),

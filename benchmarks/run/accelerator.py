@@ -107,8 +107,8 @@ def train_step(
         return out
     batch = jax.device_put(random_batch(programs, params, B, c.prompt_len, c.max_new_tokens), programs.batch_shardings)
     state = programs_lib.init_train_state(programs, params, 0)
-    compiled = programs.train_step.lower(state, batch).compile()
-    out.update(_memory(compiled))
+    compiled = programs.train_step.compile(state, batch)
+    out.update(_memory(compiled.executable))
     box = [state]
 
     def step():
