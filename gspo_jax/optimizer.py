@@ -108,10 +108,12 @@ class Schedule(NamedTuple):
 
 
 def learning_rate(s: Schedule, count: jax.Array) -> jax.Array:
-    """The learning rate at update `count` (0-based, a scalar): bit for bit what XLA computes for
+    """The learning rate at update `count` (0-based, a scalar): what XLA computes for
     `optax.warmup_cosine_decay_schedule` with the same numbers as constants. That is optax's
     arithmetic op for op, except that XLA turns its divisions by a constant number of updates into
-    multiplications by the constant's float32 inverse, so these are multiplications too."""
+    multiplications by the constant's float32 inverse, so these are multiplications too: bit for bit
+    on an XLA that compiles the rest as written (jax 0.12's), within float32 rounding of the peak on
+    one that also folds constant products (jax 0.10's)."""
     warm = s.start_less_peak * (1 - jnp.clip(count, 0, s.warmup) * s.inverse_warmup) + s.peak
     after = jnp.minimum(count - s.warmup, s.decay)
     cosine = 0.5 * (1 + jnp.cos(jnp.pi * after * s.inverse_decay))

@@ -351,19 +351,24 @@ def _adamw_case(lr=1e-2, weight_decay=0.1, max_grad_norm=1.0):
     [(3e-4, 10, 400, 0.1), (3e-4, 5, 12, 0.1), (1e-6, 10, 2000, 0.0), (3e-4, 0, 6, 0.1), (2.5e-5, 3, 37, 0.05)]
     + [(3e38, 0, 4, 0.1)],
 )
-def test_the_schedule_given_as_arrays_is_optaxs_with_constants_bit_for_bit(lr, warmup, total, end_factor):
-    """`learning_rate` on `OptimizerConfig.schedule`'s arrays against optax's warmup-cosine schedule
-    with the same numbers compiled in, as a step computes it (a scalar count), at every update of the
-    run and past its end."""
+def test_the_schedule_given_as_arrays_is_optaxs_with_constants(lr, warmup, total, end_factor):
+    """`learning_rate` on `OptimizerConfig.schedule`'s arrays against optax's warmup-cosine schedule with
+    the same numbers compiled in, as a step computes it (a scalar count), at every update of the run and
+    past its end: within float32 rounding of the peak on any XLA, and bit for bit where XLA compiles
+    optax's arithmetic as written. (jax 0.10's XLA folds constant products, π / decay steps among them,
+    so optax's own values round differently there; newer ones keep π and only invert the divisors.)"""
     cfg = optimizer_lib.OptimizerConfig(lr, warmup_steps=warmup, end_lr_factor=end_factor)
     ref = jax.jit(
         optax.warmup_cosine_decay_schedule(0.0, lr, max(warmup, 1), max(total, warmup + 1), end_value=lr * end_factor)
     )
+    as_written = "constant(3.14159274)" in ref.lower(np.int32(0)).compile().as_text()  # π not folded away
     ours = jax.jit(optimizer_lib.learning_rate)
     bits = lambda x: np.asarray(x, np.float32).view(np.uint32)
     schedule = cfg.schedule(total)
     for count in range(total + 5):
-        assert bits(ours(schedule, np.int32(count))) == bits(ref(np.int32(count))), count
+        got, want = ours(schedule, np.int32(count)), ref(np.int32(count))
+        assert abs(float(got) - float(want)) <= 4 * np.finfo(np.float32).eps * lr, count
+        assert not as_written or bits(got) == bits(want), count
     assert float(ours(schedule, np.int32(max(warmup, 1)))) == np.float32(lr)  # the peak, right after the warmup
 
 
