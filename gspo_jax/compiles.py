@@ -119,14 +119,24 @@ class Program:
     AOT, profiling) without unpacking anything. `in_background` gives a copy compiled ahead, on a
     background thread."""
 
-    def __init__(self, jitted, *static, args: tuple = ()):
-        self.jitted, self.static, self.args = jitted, static, args
+    def __init__(self, jitted, *static, args: tuple = (), args_sharding=None):
+        self.jitted, self.static, self.args, self.args_sharding = jitted, static, args, args_sharding
         self._compiled: concurrent.futures.Future | None = None
+        self._placed: tuple | None = None  # `args` on the devices (`args_sharding`), from the first call on
+
+    def _args(self) -> tuple:
+        """`args` as a call passes them: placed once, at the first call (not at construction: a
+        deviceless AOT compile only lowers), so no call transfers them again."""
+        if self.args_sharding is None:
+            return self.args
+        if self._placed is None:
+            self._placed = jax.device_put(self.args, self.args_sharding)
+        return self._placed
 
     def __call__(self, *args):
         if self._compiled is not None:
-            return self._compiled.result()(*self.args, *args)
-        return self.jitted(*self.static, *self.args, *args)
+            return self._compiled.result()(*self._args(), *args)
+        return self.jitted(*self.static, *self._args(), *args)
 
     def lower(self, *abstract) -> jax.stages.Lowered:
         """The program lowered for `abstract` arguments (ShapeDtypeStructs with shardings)."""
@@ -135,7 +145,7 @@ class Program:
     def compile(self, *abstract) -> "Program":
         """This program compiled now for `abstract` arguments: called like this one, every call runs
         that one executable (`executable`: its HLO text, its memory analysis)."""
-        ahead = Program(self.jitted, *self.static, args=self.args)
+        ahead = Program(self.jitted, *self.static, args=self.args, args_sharding=self.args_sharding)
         ahead._compiled = concurrent.futures.Future()
         ahead._compiled.set_result(self.lower(*abstract).compile())
         return ahead
@@ -152,7 +162,7 @@ class Program:
         iteration does not wait for programs that are needed later (XLA releases the GIL while it
         compiles). Its first call waits for the compile, and every call runs that one executable
         (arguments of another shape or sharding raise TypeError, never recompile)."""
-        ahead = Program(self.jitted, *self.static, args=self.args)
+        ahead = Program(self.jitted, *self.static, args=self.args, args_sharding=self.args_sharding)
         ahead._compiled = _BACKGROUND.submit(lambda: self.lower(*abstract).compile())
         return ahead
 

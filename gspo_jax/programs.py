@@ -105,8 +105,8 @@ def compile_programs(built: config_lib.Built, graphdef, params, mesh: jax.shardi
         on_policy=shares_old_forward(t, built.loss, critic_cfg, built.rollout.staleness),
         critic=critic_static,
     )
-    # Host scalars, placed by the step's in_shardings at each call: nothing on a device before it runs
-    # (a deviceless AOT compile has none).
+    # Host scalars until the step's first call places them (`Program.args_sharding`): a deviceless
+    # AOT compile has no device to put them on.
     critic_schedule = built.critic_optimizer.schedule(t.updates) if critic_cfg else None
     schedules = Schedules(built.optimizer.schedule(t.updates), critic_schedule)
     step = jax.jit(
@@ -128,7 +128,7 @@ def compile_programs(built: config_lib.Built, graphdef, params, mesh: jax.shardi
         compiler_options=options,
     )
     return Programs(
-        train_step=Program(step, static, args=(schedules,)),
+        train_step=Program(step, static, args=(schedules,), args_sharding=rep),
         take=jax.jit(take_rows, in_shardings=(batch_sh, rep), out_shardings=batch_sh),
         take_scored=jax.jit(take_rows, in_shardings=(scored_sh, rep), out_shardings=scored_sh),
         score=score,
