@@ -14,7 +14,7 @@ from benchmarks.run.shapes import pieces, random_batch, shape_config
 from benchmarks.run.step import train_step_time
 from benchmarks.run.timing import best_time
 from gspo_jax import programs as programs_lib
-from gspo_jax import train
+from gspo_jax import sharding as sharding_lib
 
 
 def diagnostics_cost(tiny: bool, repeats: int) -> dict:
@@ -52,7 +52,7 @@ def critic_cost(tiny: bool, repeats: int) -> dict:
     c = shape_config("tiny" if tiny else "default", "ppo")
     if tiny:  # the PPO run's length below: its programs are then these, loaded from the compilation cache
         c.train.num_iterations = 6
-    built, _, params, programs = pieces(c)
+    built, graphdef, params, programs = pieces(c)
     B = built.rollout.num_groups * built.rollout.group_size
     mb = B // c.train.minibatches
     full = random_batch(programs, params, B, c.prompt_len, c.max_new_tokens)
@@ -65,27 +65,23 @@ def critic_cost(tiny: bool, repeats: int) -> dict:
     out["score_seconds"] = best_time(lambda: programs.score(state.params, full.tokens, full.positions), repeats * 4)
     full, _ = programs.estimate(state.critic.params, full, rewards)
     batch = programs.take(full, np.arange(mb))
-    static, (schedules,) = programs.step_config, programs.train_step.args
-    step = jax.jit(train.train_step, static_argnums=0, donate_argnums=2)
+    # The run's own step, and the same config's step without the critic (compiled as a run compiles
+    # its step: shardings, donation, compile options); the PPO runs below load the first.
+    free = programs_lib.compile_programs(dataclasses.replace(built, critic=None), graphdef, params, programs.mesh)
     variants = dict(
-        with_critic=(static, schedules, state, batch),
-        without_critic=(
-            dataclasses.replace(static, critic=None),
-            schedules._replace(critic=None),
-            state.replace(critic=None),
-            batch.replace(values=None, returns=None),
-        ),
+        with_critic=(programs.train_step, state, batch),
+        without_critic=(free.train_step, state.replace(critic=None), batch.replace(values=None, returns=None)),
     )
-    for name, (st, sc, s0, b) in variants.items():
+    for name, (program, s0, b) in variants.items():
         held = [jax.tree.map(jnp.copy, s0)]
-        compiled = step.lower(st, sc, held[0], b).compile()  # one compile: timed, and its memory read
+        compiled = program.compile(*sharding_lib.abstract((held[0], b)))  # one compile: timed, its memory read
 
-        def run(compiled=compiled, sc=sc, b=b, held=held):
-            held[0], m, _ = compiled(sc, held[0], b)
+        def run(compiled=compiled, b=b, held=held):
+            held[0], m, _ = compiled(held[0], b)
             return m
 
         out[f"step_{name}_seconds"] = best_time(run, repeats * 4)
-        mem = compiled.memory_analysis()
+        mem = compiled.executable.memory_analysis()
         out[f"step_{name}_temp_bytes"] = int(getattr(mem, "temp_size_in_bytes", 0)) if mem is not None else 0
     nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
     out.update(
