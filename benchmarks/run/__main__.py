@@ -4,11 +4,14 @@
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import shlex
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,6 +29,7 @@ from benchmarks.run.sampler import sampler_throughput
 from benchmarks.run.shapes import iteration_config
 from benchmarks.run.step import loss_share, train_mfu
 from benchmarks.run.targets import print_targets
+from gspo_jax import compiles
 from gspo_jax.host_memory import reexec_with_huge_pages
 
 RESULTS = Path(__file__).parents[1] / "results.json"
@@ -298,6 +302,12 @@ def main():
         depth = "" if args.real_layers == accelerator.REAL_LAYERS else f"-{args.real_layers}layers"
         args.out = str(RESULTS.with_name(f"results-{slug}{depth}.json"))
     repeats = 1 if tiny else args.repeats
+    if tiny:  # the smoke test: its sections share their compiles (`timing.cold_cache_dir`)
+        if not jax.config.jax_compilation_cache_dir:
+            directory = tempfile.mkdtemp(prefix="gspo_jax_benchmarks_")
+            atexit.register(shutil.rmtree, directory, ignore_errors=True)
+            compiles.use_persistent_cache(directory)
+        print("--size tiny: a smoke test; its sections share one compilation cache, so cold-start figures may be loads")
     results = dict(machine=machine(), command=shlex.join(["python", "-m", "benchmarks.run", *sys.argv[1:]]))
     results["git"] = _git_describe()
     results["real_layers"] = args.real_layers

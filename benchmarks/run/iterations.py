@@ -15,6 +15,7 @@ import numpy as np
 from jax.experimental.compilation_cache import compilation_cache
 
 from benchmarks.run.shapes import iteration_config, shape_config
+from benchmarks.run.timing import cold_cache_dir
 from gspo_jax import run as run_lib
 from gspo_jax.config import build
 
@@ -56,10 +57,10 @@ def iteration(tiny: bool, repeats: int) -> dict:
     """The three drift settings, each a fresh run from cold in-memory caches, then the
     compilation-cache pair, always cold: a run that fills an empty persistent cache, and its rerun.
     At `tiny` (the smoke test) everything compiles once: the drift settings share compiled programs,
-    and the first of them is also the pair's cold run."""
+    and the first of them is also the pair's cold run (`cold_cache_dir`)."""
     del repeats
     out = {}
-    with tempfile.TemporaryDirectory() as cache_dir:
+    with cold_cache_dir(tiny) as cache_dir:
         for drift, subsample in ((True, 1), (True, 4), (False, 1)):
             c = iteration_config("tiny" if tiny else "iteration")
             c.train.update(drift_metrics=drift, drift_subsample=subsample)

@@ -24,7 +24,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import gc
-import tempfile
 import time
 
 import jax
@@ -33,7 +32,7 @@ from jax.experimental.compilation_cache import compilation_cache
 
 from benchmarks.run import accelerator
 from benchmarks.run.shapes import shape_config
-from benchmarks.run.timing import best_time
+from benchmarks.run.timing import best_time, cold_cache_dir
 from gspo_jax import compiles, staleness
 from gspo_jax import iteration as iteration_lib
 from gspo_jax import model as model_lib
@@ -213,7 +212,7 @@ def loop_figures(tiny: bool, repeats: int, layers: int = accelerator.REAL_LAYERS
     c = loop_config(tiny, layers)
     built = build(c)
     kind = jax.devices()[0].device_kind
-    with tempfile.TemporaryDirectory() as cache_dir, persistent_cache(cache_dir):
+    with cold_cache_dir(tiny) as cache_dir, persistent_cache(cache_dir):
         loop = Loop(built)
         for _ in range(6 if tiny else ITERATIONS):
             loop.iterate()

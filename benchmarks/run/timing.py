@@ -1,7 +1,10 @@
-"""Wall-clock timing of a function's calls, results ready, after a warm-up call."""
+"""Wall-clock timing of a function's calls, results ready, after a warm-up call; the compilation
+cache a cold start is timed with."""
 
 from __future__ import annotations
 
+import contextlib
+import tempfile
 import time
 
 import jax
@@ -22,3 +25,17 @@ def call_times(fn, repeats: int, min_seconds: float = 0.0) -> list[float]:
 def best_time(fn, repeats: int) -> float:
     """Best wall time of `fn()` over `repeats` calls, after one warm-up call."""
     return min(call_times(fn, repeats))
+
+
+@contextlib.contextmanager
+def cold_cache_dir(tiny: bool):
+    """The persistent compilation cache directory a cold start is timed with: a new empty one, so the
+    first iteration compiles as a new run's does. At `tiny` (the smoke test, whose figures are not
+    read) the process's own cache where it has one: sections that build the same programs (the
+    `iteration` and `loop` sections' cold starts) compile them once, and their cold figures may be
+    loads."""
+    if tiny and jax.config.jax_compilation_cache_dir:
+        yield jax.config.jax_compilation_cache_dir
+    else:
+        with tempfile.TemporaryDirectory() as directory:
+            yield directory
