@@ -17,7 +17,11 @@ from gspo_jax.config import base_config, build
 from gspo_jax.validation import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
+# The tiny preset with one stack of two MoE layers instead of its dense + MoE stacks: the same grouped
+# expert kernels on every mesh, about 15% less for each TPU compile (a train step 41.6 -> 35.6 s, contended).
+ONE_STACK = dict(num_layers=2, dense_layers=())
 TINY = ["--config", "configs/gspo.py:tiny", "--topology", "v5p:2x2x1", "--config.mesh.fsdp=2", "--config.mesh.expert=2"]
+TINY += [f"--config.model.{k}={v}" for k, v in ONE_STACK.items()]
 # Every kind of mesh a 4-chip slice can take, as `--mesh` layouts: the grouped expert kernels (megablox)
 # must run per device on each (a Mosaic kernel's call cannot be partitioned by XLA).
 LAYOUTS = ("data=4", "fsdp=4", "data=2,fsdp=2", "data=2,tensor=2", "fsdp=2,expert=2", "data=2,expert=2")
@@ -73,6 +77,7 @@ def test_every_program_compiles_for_a_slice_and_fits(tiny_slice):
     assert [r["program"] for r in rows] == list(aot.PROGRAMS)
     c = base_config("gspo", "tiny")
     c.mesh.update(fsdp=2, expert=2)
+    c.model.update(**ONE_STACK)
     cfg, B = build(c, device_count=4).model, c.rollout.num_groups * c.rollout.group_size
     T, peak = c.prompt_len + c.max_new_tokens, aot.CHIPS["v5p"][1]
     want_flops = {
@@ -183,6 +188,7 @@ def test_ppo_train_step_compiles_for_a_slice_with_its_critic(tiny_slice, tmp_pat
     assert p2.returncode == 0, p2.stderr[-3000:]
     c = base_config("ppo", "tiny")
     c.mesh.update(fsdp=2, expert=2)
+    c.model.update(**ONE_STACK)
     built = build(c, device_count=4)
     mb, T = c.rollout.num_groups * c.rollout.group_size // c.train.minibatches, c.prompt_len + c.max_new_tokens
     assert rows2[0]["flops"] == flops.train_flops(built.model, mb, T) + flops.critic_train_flops(
