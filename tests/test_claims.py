@@ -102,3 +102,81 @@ def test_the_instruments_verdict_names_what_helps_and_what_hurts_once_each_has_t
     assert verdict == "Pending: the headline grid has 2 of 3 seeds" and "weight replay (R3W) on GRPO +" in here
     _, verdict, _ = claims._instruments(Synthetic(grid(3, final | instruments)))
     assert verdict == "Helps: weight replay (R3W) (GRPO); hurts: RSPO's router-shift ratio (GSPO)"
+
+
+LADDER_SWEEP = ROOT / "configs" / "sweeps" / f"{claims.DAPO}.py"
+
+
+class Ladder(claims.Results):
+    """The committed results, with the DAPO ladder replaced by synthetic runs of the sweep file's own arms:
+    accuracy `acc(budget, rung, seed)`, for the seeds `seeds(budget, rung)`."""
+
+    def __init__(self, acc, seeds=lambda budget, rung: range(5)):
+        super().__init__(ROOT)
+        self.acc, self.seeds = acc, seeds
+
+    def arms(self, name):
+        if name != claims.DAPO:
+            return super().arms(name)
+        out = {}
+        for r in sweeps.load_sweep(LADDER_SWEEP, ROOT).runs:
+            own, seed = r.arm_overrides, r.overrides[sweeps.SEED]
+            budget, rung = own["max_new_tokens"], sum(key in own for key, _ in claims.RUNGS)
+            if seed in self.seeds(budget, rung):
+                a = self.acc(budget, rung, seed)
+                records = [{"step": s, ACCURACY: a, SAMPLED: a, "truncation_rate": 0.1} for s in (0, 10, 20, 30)]
+                records[0] |= {ACCURACY: 0.4, SAMPLED: 0.4}
+                out.setdefault(r.arm, []).append(RunResult(r, "done", records))
+        return out
+
+
+def wobble(seed: int, rung: int) -> float:
+    return 0.004 * ((seed * 7 + rung * 3) % 5)
+
+
+def test_the_dapo_row_reads_the_sweep_files_rungs_and_budgets():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("ladder", LADDER_SWEEP)
+    ladder = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ladder)
+    assert (claims.BINDING, claims.LOOSE) == (ladder.BINDING, ladder.LOOSE)
+    assert [key for key, _ in claims.RUNGS] == [next(iter(rung)) for rung in ladder.RUNGS[1:]]
+    assert claims.CONTROL_RUNGS == ladder.CONTROL_RUNGS
+
+
+def test_the_dapo_row_pairs_each_rung_to_the_one_below_over_shared_seeds_and_waits_for_five():
+    res = Ladder(lambda b, i, s: 0.5 + 0.02 * i + wobble(s, i), lambda b, i: range(4 if i == 3 else 5))
+    here, verdict, limits = claims._dapo(res)
+    assert verdict == "Pending: the ladder has 4 of 5 seeds, the control 5 of 5"
+    assert limits.startswith("4 of 5 seeds on the ladder, 5 of 5 on the control")
+    # + clip-higher (rung 3) − + soft overlong shaping (rung 2), by hand over seeds 0-3
+    diffs = [0.02 + wobble(s, 3) - wobble(s, 2) for s in range(4)]
+    want = claims.analysis.interval(diffs)
+    assert f"+ clip-higher {want.text()} (" in here and "21-token budget (4 seeds" in here
+    assert "Control, 32-token budget (5 seeds)" in here and "the 21-token budget cuts 10%" in limits
+
+
+@pytest.mark.parametrize(
+    "step, filter_at_21, want",
+    [
+        (0.05, 0.05, "Reproduced: every rung helps; overlong filtering at 32 tokens includes 0"),
+        (
+            0.05,
+            -0.05,
+            "Not reproduced: + soft overlong shaping, + clip-higher, + token-level loss, + dynamic sampling help; "
+            "+ overlong filtering hurt; overlong filtering at 32 tokens includes 0 (its cost is the budget's)",
+        ),
+        (0.0, 0.0, "Not reproduced: no rung helps; overlong filtering at 32 tokens includes 0"),
+    ],
+)
+def test_with_five_seeds_the_dapo_verdict_follows_each_rungs_interval(step, filter_at_21, want):
+    def acc(budget, rung, seed):
+        ups = [0.0, filter_at_21 if budget == claims.BINDING else 0.0] + [step] * (len(claims.RUNGS) - 1)
+        if budget == claims.LOOSE and rung == 1:  # filtering at 32 tokens: GRPO's seed plus noise of mean ~0
+            return 0.5 + wobble(seed, 0) + 0.01 * (-1) ** seed
+        return 0.5 + sum(ups[: rung + 1]) + wobble(seed, rung)
+
+    _, verdict, limits = claims._dapo(Ladder(acc))
+    assert verdict == want
+    assert "they resolve paired sampled differences beyond ±" in limits
