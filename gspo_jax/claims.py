@@ -90,14 +90,15 @@ def pct(x: float, digits: int = 1) -> str:
     return f"{100 * x:.{digits}f}%"
 
 
+def plain(values: Sequence[float], digits: int = 1) -> str:
+    """'1.9–3.2': the range of values, or one value where both ends print alike."""
+    lo, hi = f"{min(values):.{digits}f}", f"{max(values):.{digits}f}"
+    return lo if lo == hi else f"{lo}–{hi}"
+
+
 def span(values: Sequence[float], digits: int = 1) -> str:
     """'1.3–1.6%': the range of fractions, in percent."""
-    lo, hi = min(values), max(values)
-    return (
-        pct(lo, digits)
-        if f"{100 * lo:.{digits}f}" == f"{100 * hi:.{digits}f}"
-        else f"{100 * lo:.{digits}f}–{pct(hi, digits)}"
-    )
+    return plain([100 * v for v in values], digits) + "%"
 
 
 def iv(values) -> Interval:
@@ -427,15 +428,17 @@ def _dapo(res: Results) -> tuple[str, str, str]:
     limits = f"{k} of {DAPO_SEEDS} seeds on the ladder, {kc} of {DAPO_SEEDS} on the control; "
     if k > 1:
         limits += f"they resolve paired sampled differences beyond ±{_widths(steps)} points; "
-    if k and kc:
+    if k:
+        rounds = run_means(ladder[-1], "generation_rounds")
         limits += (
-            f"the {BINDING}-token budget cuts {span(run_means(ladder[0], 'truncation_rate'), 0)} of GRPO's "
-            f"completions, the {LOOSE}-token {span(run_means(control[0], 'truncation_rate'), 0)}; "
+            f"dynamic sampling draws {plain(rounds)} rounds of rollouts per iteration to fill its batch with groups "
+            "whose rewards differ (the rungs below draw 1): the same update size, more sampling; "
+            f"the {BINDING}-token budget cuts {span(run_means(ladder[0], 'truncation_rate'))} of GRPO's completions"
         )
+        limits += f", the {LOOSE}-token {span(run_means(control[0], 'truncation_rate'))}; " if kc else "; "
     limits += (
         "the default model (3 MoE layers of 8 experts) on sums of three digits, not a 32B model on AIME; soft "
-        "overlong shaping comes before clip-higher here, after it in the paper; dynamic sampling draws at most 3 "
-        "rounds"
+        "overlong shaping comes before clip-higher here, after it in the paper"
     )
     return here, verdict, limits
 
