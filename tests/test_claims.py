@@ -124,7 +124,8 @@ class Ladder(claims.Results):
             budget, rung = own["max_new_tokens"], sum(key in own for key, _ in claims.RUNGS)
             if seed in self.seeds(budget, rung):
                 a = self.acc(budget, rung, seed)
-                records = [{"step": s, ACCURACY: a, SAMPLED: a, "truncation_rate": 0.1} for s in (0, 10, 20, 30)]
+                extra = {"truncation_rate": 0.1, "generation_rounds": 2.0 if rung == len(claims.RUNGS) else 1.0}
+                records = [{"step": s, ACCURACY: a, SAMPLED: a, **extra} for s in (0, 10, 20, 30)]
                 records[0] |= {ACCURACY: 0.4, SAMPLED: 0.4}
                 out.setdefault(r.arm, []).append(RunResult(r, "done", records))
         return out
@@ -154,7 +155,8 @@ def test_the_dapo_row_pairs_each_rung_to_the_one_below_over_shared_seeds_and_wai
     diffs = [0.02 + wobble(s, 3) - wobble(s, 2) for s in range(4)]
     want = claims.analysis.interval(diffs)
     assert f"+ clip-higher {want.text()} (" in here and "21-token budget (4 seeds" in here
-    assert "Control, 32-token budget (5 seeds)" in here and "the 21-token budget cuts 10%" in limits
+    assert "Control, 32-token budget (5 seeds)" in here and "the 21-token budget cuts 10.0%" in limits
+    assert "dynamic sampling draws 2.0 rounds" in limits
 
 
 @pytest.mark.parametrize(
