@@ -419,10 +419,11 @@ def _dapo(res: Results) -> tuple[str, str, str]:
         if len(helps) == len(RUNGS):
             verdict = "Reproduced: every rung helps"
         else:
-            verdict = "Not reproduced: " + (", ".join(helps) + " help" if helps else "no rung helps")
-            verdict += ("; " + ", ".join(hurts) + " hurt") if hurts else ""
+            verb = lambda names, one, many: ", ".join(names) + (one if len(names) == 1 else many)  # noqa: E731
+            verdict = "Not reproduced: " + (verb(helps, " helps", " help") if helps else "no rung helps")
+            verdict += ("; " + verb(hurts, " hurts", " hurt")) if hurts else ""
         filt = sign(paired(final(control[1]), final(control[0])))
-        verdict += f"; overlong filtering at {LOOSE} tokens {filt}"
+        verdict += f"; overlong filtering where nothing is cut ({LOOSE} tokens): {filt}"
         if filt == "includes 0" and signs[0] == "below 0":
             verdict += " (its cost is the budget's)"
     limits = f"{k} of {DAPO_SEEDS} seeds on the ladder, {kc} of {DAPO_SEEDS} on the control; "

@@ -162,14 +162,15 @@ def test_the_dapo_row_pairs_each_rung_to_the_one_below_over_shared_seeds_and_wai
 @pytest.mark.parametrize(
     "step, filter_at_21, want",
     [
-        (0.05, 0.05, "Reproduced: every rung helps; overlong filtering at 32 tokens includes 0"),
+        (0.05, 0.05, "Reproduced: every rung helps; overlong filtering where nothing is cut (32 tokens): includes 0"),
         (
             0.05,
             -0.05,
             "Not reproduced: + soft overlong shaping, + clip-higher, + token-level loss, + dynamic sampling help; "
-            "+ overlong filtering hurt; overlong filtering at 32 tokens includes 0 (its cost is the budget's)",
+            "+ overlong filtering hurts; overlong filtering where nothing is cut (32 tokens): includes 0 (its cost is "
+            "the budget's)",
         ),
-        (0.0, 0.0, "Not reproduced: no rung helps; overlong filtering at 32 tokens includes 0"),
+        (0.0, 0.0, "Not reproduced: no rung helps; overlong filtering where nothing is cut (32 tokens): includes 0"),
     ],
 )
 def test_with_five_seeds_the_dapo_verdict_follows_each_rungs_interval(step, filter_at_21, want):
