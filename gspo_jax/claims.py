@@ -391,8 +391,9 @@ def _dapo(res: Results) -> tuple[str, str, str]:
         acc = [(iv(final(rs)), iv(final(rs, ACCURACY))) for rs in ladder]
         steps = [paired(final(b), final(a)) for a, b in zip(ladder, ladder[1:], strict=False)]
         greedy = [paired(final(b, ACCURACY), final(a, ACCURACY)) for a, b in zip(ladder, ladder[1:], strict=False)]
+        iterations = ladder[0][0].run.overrides["train.num_iterations"]
         here = (
-            f"{BINDING}-token budget ({k} seed{'s' if k > 1 else ''}, 200 iterations), final sampled (greedy) "
+            f"{BINDING}-token budget ({k} seed{'s' if k > 1 else ''}, {iterations} iterations), final sampled (greedy) "
             "accuracy: "
             + " → ".join(
                 f"{n} {100 * s.mean:.1f}% ({100 * g.mean:.1f}%)" for n, (s, g) in zip(RUNG_NAMES, acc, strict=True)
