@@ -154,12 +154,16 @@ def _arm_name(objective: str, replay: str) -> str:
     return objective if replay == "none" else f"{objective}-replay={replay}"
 
 
-def _headline(res: Results, arms: Sequence[str]) -> tuple[int, dict[str, list[RunResult]]]:
-    """(k, arm -> runs): the seeds every one of `arms` has finished in the headline grid, and each arm's
+def shared_seeds(done: dict, keys: Sequence) -> tuple[int, dict]:
+    """(k, key -> runs): the seeds every one of `keys` has finished in `done` (key -> runs), and each key's
     runs of those seeds only, so that every number in a row is over the same k seeds."""
-    done = res.arms(HEADLINE)
-    seeds = set.intersection(*({seed_of(r) for r in done.get(a, [])} for a in arms))
-    return len(seeds), {a: [r for r in done.get(a, []) if seed_of(r) in seeds] for a in arms}
+    seeds = set.intersection(*({seed_of(r) for r in done.get(key, [])} for key in keys))
+    return len(seeds), {key: [r for r in done.get(key, []) if seed_of(r) in seeds] for key in keys}
+
+
+def _headline(res: Results, arms: Sequence[str]) -> tuple[int, dict[str, list[RunResult]]]:
+    """`shared_seeds` of `arms` in the headline grid."""
+    return shared_seeds(res.arms(HEADLINE), arms)
 
 
 def _pending(k: int, of: int) -> str:
@@ -378,8 +382,8 @@ def _ladder(res: Results, budget: int, rungs: Sequence[int]) -> tuple[int, list[
         own = rs[0].run.arm_overrides
         if own.get("max_new_tokens") == budget:
             found[sum(key in own for key, _ in RUNGS)] = rs
-    seeds = set.intersection(*({seed_of(r) for r in found.get(i, [])} for i in rungs))
-    return len(seeds), [[r for r in found.get(i, []) if seed_of(r) in seeds] for i in rungs]
+    k, runs = shared_seeds(found, rungs)
+    return k, list(runs.values())
 
 
 def _dapo(res: Results) -> tuple[str, str, str]:
