@@ -1,5 +1,5 @@
 """The scripts' exit codes, for schedulers and sweeps: what a process's exit status says about its work.
-scripts/train.py exits 0, 2, 75 or 130; scripts/sweep.py (`sweep_runner`) reads a run's 75 and 130 as
+scripts/train.py exits 0, 2, 75 or 130; scripts/sweep.py (`gspo_jax.study.runner`) reads a run's 75 and 130 as
 "stopped, resumes" and exits 0, 1, 2 or 75 itself; scripts/drift.py and scripts/aot_compile.py refuse
 with 2.
 """

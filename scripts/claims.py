@@ -1,4 +1,4 @@
-"""Rebuilds docs/RESULTS.md's claims table from the committed results/ (gspo_jax.claims).
+"""Rebuilds docs/RESULTS.md's claims table from the committed results/ (gspo_jax.study.claims).
 
 python scripts/claims.py            # print the table
 python scripts/claims.py --write    # replace the table in docs/RESULTS.md
@@ -13,8 +13,8 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from gspo_jax import claims  # noqa: E402
 from gspo_jax.exit_codes import EXIT_DONE, EXIT_FAILED  # noqa: E402
+from gspo_jax.study import claims  # noqa: E402
 
 DOC = REPO / "docs" / "RESULTS.md"
 

@@ -12,12 +12,12 @@ again: finished runs are skipped, stopped ones resume from their checkpoint, fai
 SIGTERM / Ctrl-C stop every run at its next iteration boundary (a checkpoint each); a second one stops
 them at once. One sweep process per workroot (per shard): a second is refused.
 
---parallel N: each child is pinned to its own share of this process's CPUs (sweep_runner.cpu_slots); more
+--parallel N: each child is pinned to its own share of this process's CPUs (gspo_jax.study.runner.cpu_slots); more
 runs than CPUs share them. On 2 CPU cores (shared with other work, load ~4.5, one try each) the tiny sweep
 took 50 s at --parallel 1 and 39 s at --parallel 2 (each run's start-up is mostly single-threaded): use
 one run per core. Larger N, and larger configs, are unmeasured. On one GPU the N runs share it: each is
 started with JAX's client memory settings, no preallocation and 0.9/N of the device at most
-(sweep_runner.device_memory_env; a value already in the environment is kept). A TPU chip takes one
+(gspo_jax.study.runner.device_memory_env; a value already in the environment is kept). A TPU chip takes one
 process: spread a sweep over slices with --shard instead.
 
 Exit codes: 0 every run done; 1 some failed (the others ran on); 2 refused (bad sweep file or arguments,
@@ -30,9 +30,9 @@ import shlex
 import sys
 from pathlib import Path
 
-from gspo_jax import sweeps
 from gspo_jax.exit_codes import EXIT_REFUSED
-from gspo_jax.sweep_runner import Runner, SweepLock
+from gspo_jax.study import sweeps
+from gspo_jax.study.runner import Runner, SweepLock
 from gspo_jax.workdir import WorkdirBusy
 
 REPO = Path(__file__).resolve().parents[1]  # scripts/train.py and the config paths are relative to it
@@ -76,14 +76,14 @@ def main(argv=None) -> int:
             print(f"{run.name}\t{sweeps.status(run_dir)}\t{shlex.join([sys.executable, *run.train_args(run_dir)])}")
         return 0
     if args.compare:
-        from gspo_jax.sweep_report import compare
+        from gspo_jax.study.report import compare
 
         if not Path(args.compare).is_dir():
             return refuse(f"--compare {args.compare}: no such workroot")
         print(compare(sweep, root, Path(args.compare)), end="")
         return 0
     if args.report:
-        from gspo_jax.sweep_report import analysis_text, write_report  # matplotlib only here
+        from gspo_jax.study.report import analysis_text, write_report  # matplotlib only here
 
         path = write_report(sweep, root)
         print(analysis_text(sweep, root), end="")

@@ -1,4 +1,4 @@
-"""The claims table's headline rows (gspo_jax/claims.py) on synthetic runs: every number over the seeds all
+"""The claims table's headline rows (gspo_jax/study/claims.py) on synthetic runs: every number over the seeds all
 their arms share, "Pending" until the grid has its pre-registered seeds, then the verdict the intervals give.
 The rows' older sweeps are read from the committed results/."""
 
@@ -6,8 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from gspo_jax import claims, sweeps
-from gspo_jax.sweep_report import ACCURACY, SAMPLED, RunResult
+from gspo_jax.study import claims, sweeps
+from gspo_jax.study.report import ACCURACY, SAMPLED, RunResult
 
 ROOT = Path(__file__).resolve().parents[1]
 ARMS = [f"{o}{s}" for o in ("grpo", "gspo") for s in ("", "-replay=R2", "-replay=R3")]

@@ -183,6 +183,7 @@ def test_layout_names_every_module():
     modules = [p.stem for p in (REPO / "gspo_jax").glob("*.py") if p.stem != "__init__"]
     missing = [m for m in sorted(modules) if f"`{m}`" not in layout and f"`{m}," not in layout]
     assert "`tasks/`" in layout, "the layout table lost gspo_jax/tasks/"
+    assert "`study/`" in layout, "the layout table lost gspo_jax/study/"
     assert not missing, f"README's layout table misses gspo_jax/{', '.join(missing)}"
 
 

@@ -15,8 +15,11 @@ from pathlib import Path
 
 import pytest
 
-from gspo_jax import sweep_report, sweep_runner, sweeps, workdir
-from gspo_jax.sweep_runner import Runner, SweepLock, cpu_slots, device_memory_env
+from gspo_jax import workdir
+from gspo_jax.study import report as sweep_report
+from gspo_jax.study import runner as sweep_runner
+from gspo_jax.study import sweeps
+from gspo_jax.study.runner import Runner, SweepLock, cpu_slots, device_memory_env
 from gspo_jax.workdir import Lock, WorkdirBusy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -123,7 +126,7 @@ def test_a_base_with_an_algorithm_placeholder_passes_the_algorithm_as_the_config
     path = tmp_path / "study.py"
     path.write_text(
         "BASE = 'configs/gspo.py:{algorithm}'\ndef runs(): return grid(algorithm=['tiny'], seed=[0, 1])\n"
-        "from gspo_jax.sweeps import grid\n"
+        "from gspo_jax.study.sweeps import grid\n"
     )
     sweep = sweeps.load_sweep(path, ROOT)
     assert [(r.name, r.arm, r.config) for r in sweep.runs] == [
@@ -485,7 +488,7 @@ def test_the_analysis_gives_intervals_paired_differences_and_collapses_at_three_
 
 
 def test_analysis_rules_by_hand():
-    from gspo_jax import analysis
+    from gspo_jax.study import analysis
 
     assert analysis.final_value([(0, 0.9), (10, 0.1), (20, 0.2), (30, 0.3), (40, 0.7)]) == pytest.approx(0.4)
     assert analysis.final_value([(0, 0.9), (10, 0.3)]) == 0.3 and analysis.final_value([(0, 0.9)]) == 0.9
@@ -500,7 +503,7 @@ def test_analysis_rules_by_hand():
 
 def test_the_claims_table_in_results_md_is_the_one_the_committed_results_regenerate():
     """docs/RESULTS.md's claims table is exactly what `python scripts/claims.py` builds from results/."""
-    from gspo_jax import claims
+    from gspo_jax.study import claims
 
     doc = (ROOT / "docs" / "RESULTS.md").read_text(encoding="utf-8")
     assert claims.current(doc) == claims.table(ROOT), "run `python scripts/claims.py --write` and review the diff"

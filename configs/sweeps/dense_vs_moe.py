@@ -6,7 +6,7 @@ seeds: 12 runs. If GRPO's trouble is routing, the dense arm should not have it.
     python scripts/sweep.py configs/sweeps/dense_vs_moe.py --workroot results/dense_vs_moe --parallel 2
 """
 
-from gspo_jax.sweeps import grid
+from gspo_jax.study.sweeps import grid
 
 BASE = "configs/study/moe_drift.py:{algorithm}"
 
@@ -15,5 +15,5 @@ def runs():
     return grid({"model.dense_layers": [(0,), (0, 1, 2, 3)]}, algorithm=["grpo", "gspo"], seed=[0, 1, 2])
 
 
-# Added after the sweep ran (gspo_jax/analysis.py's rule): the dense arm against the MoE of its objective.
+# Added after the sweep ran (gspo_jax/study/analysis.py's rule): the dense arm against the MoE of its objective.
 CONTROL = {"model.dense_layers": (0,)}

@@ -28,5 +28,5 @@ def runs():
                 yield {"algorithm": algorithm, **arm, "seed": seed}
 
 
-# Added after the sweep ran (gspo_jax/analysis.py's rule): each arm against the study point of its objective.
+# Added after the sweep ran (gspo_jax/study/analysis.py's rule): each arm against the study point of its objective.
 CONTROL = dict.fromkeys(AXES)  # every axis key unset: the centre arm

@@ -7,7 +7,7 @@ frozen router without load-balancing and z losses (NeMo-RL's RL setting), and bo
 10 arms × 2 objectives × 3 seeds less GSPO's IcePop = 57 runs; ~3.5 hours at --parallel 2 on 2 cores (the many_experts
 runs took 400–760 s each). Ready for the study (issue 52), not yet run.
 
-The analysis, stated before the sweep runs, is gspo_jax/analysis.py's rule: a run's final accuracy,
+The analysis, stated before the sweep runs, is gspo_jax/study/analysis.py's rule: a run's final accuracy,
 greedy and sampled, is the mean of its last 3 held-out evaluations; each arm gives mean ± sd and a 95%
 interval over seeds, and its paired difference per seed to the same objective without any instrument
 (CONTROL), with its 95% interval.

@@ -7,7 +7,7 @@ of it (issue 38 asked for +20 points in each run, in at most 5 minutes on the 2-
     python scripts/sweep.py configs/sweeps/main_job.py --workroot /tmp/main_job --report
 """
 
-from gspo_jax.sweeps import grid
+from gspo_jax.study.sweeps import grid
 
 BASE = "configs/gspo.py"
 

@@ -9,7 +9,7 @@ policy learn in every seed, held out, greedy and sampled; does GRPO need replay 
     python scripts/sweep.py configs/sweeps/many_experts.py --workroot results/many_experts --report
 """
 
-from gspo_jax.sweeps import grid
+from gspo_jax.study.sweeps import grid
 
 BASE = "configs/study/many_experts.py:{algorithm}"
 
@@ -18,5 +18,5 @@ def runs():
     return grid({"train.routing_replay": ["none", "R2", "R3"]}, algorithm=["grpo", "gspo"], seed=[0, 1, 2])
 
 
-# Added after the sweep ran (with gspo_jax/analysis.py's rule): each replay arm against no replay.
+# Added after the sweep ran (with gspo_jax/study/analysis.py's rule): each replay arm against no replay.
 CONTROL = {"train.routing_replay": "none"}

@@ -8,7 +8,7 @@ was not 1 at θ_old; docs/RESULTS.md puts the two side by side against the same 
     python scripts/sweep.py configs/sweeps/many_experts_r3.py --workroot results/many_experts_r3 --report
 """
 
-from gspo_jax.sweeps import grid
+from gspo_jax.study.sweeps import grid
 
 BASE = "configs/study/many_experts.py:{algorithm}"
 

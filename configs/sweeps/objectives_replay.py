@@ -9,7 +9,7 @@ need no replay.
     python scripts/sweep.py configs/sweeps/objectives_replay.py --workroot results/objectives_replay --report
 """
 
-from gspo_jax.sweeps import grid
+from gspo_jax.study.sweeps import grid
 
 BASE = "configs/study/moe_drift.py:{algorithm}"
 OBJECTIVES = ["grpo", "dapo", "gspo", "gspo_token", "cispo", "sapo", "gmpo", "vespo", "ppo"]
@@ -19,5 +19,5 @@ def runs():
     return grid({"train.routing_replay": ["none", "R2", "R3"]}, algorithm=OBJECTIVES, seed=[0, 1, 2])
 
 
-# Added after the sweep ran (gspo_jax/analysis.py's rule): each replay arm against its objective without.
+# Added after the sweep ran (gspo_jax/study/analysis.py's rule): each replay arm against its objective without.
 CONTROL = {"train.routing_replay": "none"}

@@ -5,7 +5,7 @@ on 2 CPU cores); tests/test_sweep.py runs it, killed mid-way and restarted.
     python scripts/sweep.py configs/sweeps/tiny.py --workroot /tmp/sweep_tiny --report  # -> report.md
 """
 
-from gspo_jax.sweeps import grid
+from gspo_jax.study.sweeps import grid
 
 BASE = "configs/gspo.py:tiny"
 COMMON = {"train.num_iterations": 3}  # pinned here, so that the sweep means the same if tiny changes

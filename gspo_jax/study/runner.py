@@ -16,8 +16,9 @@ import time
 from pathlib import Path
 from typing import TextIO
 
-from gspo_jax import sweeps, workdir
+from gspo_jax import workdir
 from gspo_jax.exit_codes import EXIT_DONE, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_STOPPED
+from gspo_jax.study import sweeps
 from gspo_jax.workdir import Lock
 
 TAIL_LINES = 20

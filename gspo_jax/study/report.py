@@ -20,8 +20,8 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from gspo_jax import analysis, sweeps
 from gspo_jax.plots import save_figure, series
+from gspo_jax.study import analysis, sweeps
 from gspo_jax.writers import read_metrics
 
 ACCURACY = "eval_accuracy"  # held-out greedy accuracy: what the report ranks arms by
@@ -65,7 +65,7 @@ class RunResult:
         return sum(vs) / len(vs) if vs else None
 
     def accuracy(self, key: str = ACCURACY) -> dict[str, float] | None:
-        """final (gspo_jax.analysis's rule: the mean of the last 3 evaluations after step 0), last (the
+        """final (gspo_jax.study.analysis's rule: the mean of the last 3 evaluations after step 0), last (the
         last evaluation), best, start (step 0) and auc (the trapezoid area under the held-out accuracy
         curve `key` over its step span, divided by that span: the curve's mean)."""
         points = [(s, v) for s, v in zip(*series(self.records, key), strict=True) if math.isfinite(v)]
@@ -198,13 +198,13 @@ def _markdown(sweep, root: Path, results, arms, figures: Sequence[Path]) -> str:
 
 
 def analysis_section(sweep, results: Sequence[RunResult], arms: Mapping[str, list[RunResult]]) -> list[str]:
-    """The pre-registered analysis (gspo_jax.analysis): the sweep's own statement, then each arm's
+    """The pre-registered analysis (gspo_jax.study.analysis): the sweep's own statement, then each arm's
     final accuracy with its 95% interval, paired differences to the control arm, and collapse counts."""
     lines = ["## Analysis", ""]
     if sweep.analysis:
         lines += [sweep.analysis, ""]
     lines += [
-        f"The rule (gspo_jax/analysis.py): a run's final accuracy is the mean of its last {analysis.FINAL_EVALS} "
+        f"The rule (gspo_jax/study/analysis.py): a run's final accuracy is the mean of its last {analysis.FINAL_EVALS} "
         "held-out evaluations after step 0, greedy and sampled; the gain is that minus step 0. Per arm: mean ± sd "
         "over its finished seeds and the 95% t-interval of the mean, in points.",
         "",

@@ -11,7 +11,7 @@ A sweep file defines
 
 CONTROL is either a dict (an arm's control is the arm with those keys set to those values, a None value
 meaning the key unset) or a function from an arm's overrides (its own, with `algorithm`, without the
-seed) to its control's. The report (gspo_jax.sweep_report, by gspo_jax.analysis's rule) gives each arm's
+seed) to its control's. The report (gspo_jax.study.report, by gspo_jax.study.analysis's rule) gives each arm's
 difference to its control per seed with a 95% interval, and prints ANALYSIS above its tables.
 
 Every key is a `--config.KEY=VALUE` override of scripts/train.py except `algorithm`, which picks the
