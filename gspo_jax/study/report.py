@@ -7,7 +7,6 @@ are built with `matplotlib.figure.Figure` and saved through its Agg canvas (no p
 
 from __future__ import annotations
 
-import datetime
 import math
 import re
 from collections.abc import Mapping, Sequence
@@ -183,7 +182,7 @@ def _markdown(sweep, root: Path, results, arms, figures: Sequence[Path]) -> str:
     lines = [
         f"# Sweep report: {sweep.name}",
         "",
-        f"Base config `{sweep.base}`; workroot `{root}`; written {datetime.datetime.now().isoformat(' ', 'seconds')}.",
+        f"Base config `{sweep.base}`; workroot `{root}`; written {sweeps.now()}.",
         "",
         f"{len(results)} runs: " + ", ".join(f"{n} {s}" for s, n in counts.items() if n) + ".",
         "",

@@ -189,7 +189,7 @@ class Runner:
         command = [self.python, *run.train_args(run_dir)]
         with open(run_dir / sweeps.LOG_FILE, "ab") as log:
             offset = log.tell()
-            log.write(f"=== {_now()} sweep attempt (cpus {cpus}): {' '.join(command)}\n".encode())
+            log.write(f"=== {sweeps.now()} sweep attempt (cpus {cpus}): {' '.join(command)}\n".encode())
             log.flush()
             # Its own session: a terminal's Ctrl-C reaches the sweep only, which forwards one SIGTERM
             # (a child that saw both would take the second for an impatient second Ctrl-C).
@@ -294,7 +294,3 @@ def _tail(path: Path, offset: int, lines: int = TAIL_LINES) -> list[str]:
 def _duration(seconds: float) -> str:
     s = int(round(seconds))
     return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
-
-
-def _now() -> str:
-    return datetime.datetime.now().isoformat(" ", "seconds")

@@ -25,7 +25,6 @@ from __future__ import annotations
 import dataclasses
 import datetime
 import hashlib
-import importlib.util
 import itertools
 import json
 import os
@@ -33,6 +32,8 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
+
+from gspo_jax.config_files import load_file
 
 ALGORITHM = "algorithm"  # switches the config file instead of overriding a key
 SEED = "seed"  # runs that differ only in it form one arm of the report
@@ -110,23 +111,16 @@ class Sweep:
     analysis: str = ""  # the sweep file's ANALYSIS: how its results are read, written before it ran
 
 
-def _load_module(path: Path):
-    spec = importlib.util.spec_from_file_location(f"gspo_jax_sweep_{path.stem}", path)
-    module = importlib.util.module_from_spec(spec)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as e:  # noqa: BLE001 - any error in the user's file is a refusal, named
-        raise SweepError(f"sweep file {path} failed to load: {type(e).__name__}: {e}") from None
-    return module
-
-
 def load_sweep(path: str | os.PathLike, repo: str | os.PathLike) -> Sweep:
     """Reads a sweep file; config paths are relative to `repo` (where scripts/train.py runs). Raises
     SweepError for a missing file or config, a malformed override or two runs of one name."""
     path, repo = Path(path), Path(repo)
     if not path.is_file():
         raise SweepError(f"sweep file not found: {path}")
-    module = _load_module(path)
+    try:
+        module = load_file(path, f"gspo_jax_sweep_{path.stem}")
+    except Exception as e:  # noqa: BLE001 - any error in the user's file is a refusal, named
+        raise SweepError(f"sweep file {path} failed to load: {type(e).__name__}: {e}") from None
     base = getattr(module, "BASE", None)
     if not isinstance(base, str) or not base:
         raise SweepError(f"{path}: BASE must name a config, e.g. BASE = 'configs/gspo.py:tiny'")
@@ -237,7 +231,7 @@ def record_attempt(run_dir: Path, status: str, *, rc: int, seconds: float, comma
     """Adds an attempt to the run's state, written to a temporary file and renamed over the old one, so
     a crash leaves either state whole; `done` is recorded only after train.py exited 0."""
     state = read_state(run_dir)
-    attempts = [*state.get("attempts", []), dict(rc=rc, seconds=round(seconds, 3), ended=_now())]
+    attempts = [*state.get("attempts", []), dict(rc=rc, seconds=round(seconds, 3), ended=now())]
     state = dict(status=status, command=command, attempts=attempts, tail=tail)
     tmp = run_dir / (STATE_FILE + ".tmp")
     with open(tmp, "w") as f:
@@ -247,5 +241,6 @@ def record_attempt(run_dir: Path, status: str, *, rc: int, seconds: float, comma
     os.replace(tmp, run_dir / STATE_FILE)
 
 
-def _now() -> str:
+def now() -> str:
+    """The local time to the second, as the sweep's records and logs write it: '2026-11-27 14:03:09'."""
     return datetime.datetime.now().isoformat(" ", "seconds")
