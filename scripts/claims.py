@@ -1,5 +1,7 @@
 """Rebuilds docs/RESULTS.md's claims table from the committed results/ (gspo_jax.study.claims).
 
+The claims, and how each row reads the sweeps, are the study's: configs/sweeps/claims.py.
+
 python scripts/claims.py            # print the table
 python scripts/claims.py --write    # replace the table in docs/RESULTS.md
 python scripts/claims.py --check    # exit 1 if docs/RESULTS.md's table differs from the regenerated one
@@ -10,13 +12,12 @@ import difflib
 import sys
 from pathlib import Path
 
+from gspo_jax.exit_codes import EXIT_DONE, EXIT_FAILED
+from gspo_jax.study import claims
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO))
-
-from gspo_jax.exit_codes import EXIT_DONE, EXIT_FAILED  # noqa: E402
-from gspo_jax.study import claims  # noqa: E402
-
 DOC = REPO / "docs" / "RESULTS.md"
+CLAIMS = REPO / "configs" / "sweeps" / "claims.py"
 
 
 def main(argv=None) -> int:
@@ -27,7 +28,7 @@ def main(argv=None) -> int:
         "--check", action="store_true", help="exit 1 if docs/RESULTS.md's table is not the regenerated one"
     )
     args = parser.parse_args(argv)
-    new = claims.table(REPO)
+    new = claims.table(REPO, claims.load(CLAIMS))
     if args.write:
         DOC.write_text(claims.replace(DOC.read_text(encoding="utf-8"), new), encoding="utf-8")
         print(f"wrote the claims table to {DOC}")

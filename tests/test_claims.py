@@ -1,15 +1,17 @@
-"""The claims table's headline rows (gspo_jax/study/claims.py) on synthetic runs: every number over the seeds all
-their arms share, "Pending" until the grid has its pre-registered seeds, then the verdict the intervals give.
-The rows' older sweeps are read from the committed results/."""
+"""The claims table's headline rows (configs/sweeps/claims.py, read by gspo_jax/study/claims.py) on synthetic
+runs: every number over the seeds all their arms share, "Pending" until the grid has its pre-registered seeds,
+then the verdict the intervals give. The rows' older sweeps are read from the committed results/."""
 
 from pathlib import Path
 
 import pytest
 
-from gspo_jax.study import claims, sweeps
+from gspo_jax.config_files import load_file
+from gspo_jax.study import analysis, claims, sweeps
 from gspo_jax.study.report import ACCURACY, SAMPLED, RunResult
 
 ROOT = Path(__file__).resolve().parents[1]
+study = load_file(ROOT / "configs" / "sweeps" / "claims.py")  # the study's claims: its arms, sweeps and rows
 ARMS = [f"{o}{s}" for o in ("grpo", "gspo") for s in ("", "-replay=R2", "-replay=R3")]
 
 
@@ -29,7 +31,7 @@ class Synthetic(claims.Results):
         self.grid = grid
 
     def arms(self, name):
-        if name != claims.HEADLINE:
+        if name != study.HEADLINE:
             return super().arms(name)
         return {a: [run(a, s, *v) for s, v in seeds.items()] for a, seeds in self.grid.items() if seeds}
 
@@ -43,13 +45,13 @@ def test_every_number_is_over_the_seeds_all_arms_share_and_the_verdict_waits_for
     g = grid(3, dict.fromkeys(ARMS, 0.5))
     del g["grpo-replay=R3"][2]  # seeds 0 and 1 only
     g["grpo"][2] = (0.5, 0.0)  # seed 2 of GRPO fell 50 points: not in a number while R3 lacks the seed
-    here, verdict, limits = claims._replay_needed(Synthetic(g))
+    here, verdict, limits = study._replay_needed(Synthetic(g))
     assert "2 seeds)" in here and verdict == "Pending: the headline grid has 2 of 5 seeds"
     two = claims.iv(claims.gain([run("grpo", s, *g["grpo"][s]) for s in (0, 1)]))
     assert f"without replay GRPO {two.text()}," in here and two.n == 2
     assert limits.startswith("2 of 5 seeds in the headline grid")
     g["gspo"] = {}  # an arm with no finished run: nothing of the grid is reported yet
-    here, verdict, _ = claims._replay_needed(Synthetic(g))
+    here, verdict, _ = study._replay_needed(Synthetic(g))
     assert not here.startswith("Headline") and verdict == "Pending: the headline grid has 0 of 5 seeds"
 
 
@@ -66,10 +68,10 @@ def test_with_five_seeds_the_replay_verdict_follows_the_intervals(grpo_replay, g
     final.update({f"grpo-replay={r}": grpo_replay for r in ("R2", "R3")})
     final.update({f"gspo-replay={r}": gspo_replay for r in ("R2", "R3")})
     res = Synthetic(grid(5, final))
-    _, verdict, limits = claims._replay_needed(res)
+    _, verdict, limits = study._replay_needed(res)
     assert verdict.startswith(want)
     # a null result with its power: each GRPO interval's half-width, the smallest difference it resolves
-    arms = res.arms(claims.HEADLINE)
+    arms = res.arms(study.HEADLINE)
     resolved = limits.split("differences beyond ±")[1].split(" (GRPO)")[0]
     for r in ("R2", "R3"):
         d = claims.paired(claims.final(arms[f"grpo-replay={r}"]), claims.final(arms["grpo"]))
@@ -86,25 +88,25 @@ def test_with_five_seeds_the_replay_verdict_follows_the_intervals(grpo_replay, g
 )
 def test_with_five_seeds_the_r3_verdict_reads_the_collapses_and_the_paired_difference(none, r3, want):
     final = dict.fromkeys(ARMS, 0.5) | {"grpo": none, "grpo-replay=R3": r3}
-    here, verdict, _ = claims._r3_collapse(Synthetic(grid(5, final)))
+    here, verdict, _ = study._r3_collapse(Synthetic(grid(5, final)))
     assert verdict.startswith(want)
     assert "GSPO in the same grid (beside the pre-registered test, 5 seeds): collapsed in 0/5" in here
 
 
 def test_the_instruments_verdict_names_what_helps_and_what_hurts_once_each_has_three_seeds():
     final = dict.fromkeys(ARMS, 0.5)
-    instruments = {f"{o}-{s}": 0.5 for s in claims.INSTRUMENTS for o in ("grpo", "gspo")}
+    instruments = {f"{o}-{s}": 0.5 for s in study.INSTRUMENTS for o in ("grpo", "gspo")}
     del instruments["gspo-icepop=True"]  # GSPO has no token ratio to mask
     instruments |= {"grpo-replay=R3W": 0.7, "gspo-router_shift=True": 0.3}
     g = grid(3, final | instruments)
     g.update({a: dict(list(g[a].items())[:2]) for a in instruments if a != "grpo-replay=R3W"})  # 2 seeds there
-    here, verdict, _ = claims._instruments(Synthetic(g))
+    here, verdict, _ = study._instruments(Synthetic(g))
     assert verdict == "Pending: the headline grid has 2 of 3 seeds" and "weight replay (R3W) on GRPO +" in here
-    _, verdict, _ = claims._instruments(Synthetic(grid(3, final | instruments)))
+    _, verdict, _ = study._instruments(Synthetic(grid(3, final | instruments)))
     assert verdict == "Helps: weight replay (R3W) (GRPO); hurts: RSPO's router-shift ratio (GSPO)"
 
 
-LADDER_SWEEP = ROOT / "configs" / "sweeps" / f"{claims.DAPO}.py"
+LADDER_SWEEP = ROOT / "configs" / "sweeps" / f"{study.DAPO}.py"
 
 
 class Ladder(claims.Results):
@@ -116,15 +118,15 @@ class Ladder(claims.Results):
         self.acc, self.seeds = acc, seeds
 
     def arms(self, name):
-        if name != claims.DAPO:
+        if name != study.DAPO:
             return super().arms(name)
         out = {}
         for r in sweeps.load_sweep(LADDER_SWEEP, ROOT).runs:
             own, seed = r.arm_overrides, r.overrides[sweeps.SEED]
-            budget, rung = own["max_new_tokens"], sum(key in own for key, _ in claims.RUNGS)
+            budget, rung = own["max_new_tokens"], sum(key in own for key, _ in study.RUNGS)
             if seed in self.seeds(budget, rung):
                 a = self.acc(budget, rung, seed)
-                extra = {"truncation_rate": 0.1, "generation_rounds": 2.0 if rung == len(claims.RUNGS) else 1.0}
+                extra = {"truncation_rate": 0.1, "generation_rounds": 2.0 if rung == len(study.RUNGS) else 1.0}
                 records = [{"step": s, ACCURACY: a, SAMPLED: a, **extra} for s in (0, 10, 20, 30)]
                 records[0] |= {ACCURACY: 0.4, SAMPLED: 0.4}
                 out.setdefault(r.arm, []).append(RunResult(r, "done", records))
@@ -136,24 +138,20 @@ def wobble(seed: int, rung: int) -> float:
 
 
 def test_the_dapo_row_reads_the_sweep_files_rungs_and_budgets():
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("ladder", LADDER_SWEEP)
-    ladder = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(ladder)
-    assert (claims.BINDING, claims.LOOSE) == (ladder.BINDING, ladder.LOOSE)
-    assert [key for key, _ in claims.RUNGS] == [next(iter(rung)) for rung in ladder.RUNGS[1:]]
-    assert claims.CONTROL_RUNGS == ladder.CONTROL_RUNGS
+    ladder = load_file(LADDER_SWEEP)
+    assert (study.BINDING, study.LOOSE) == (ladder.BINDING, ladder.LOOSE)
+    assert [key for key, _ in study.RUNGS] == [next(iter(rung)) for rung in ladder.RUNGS[1:]]
+    assert study.CONTROL_RUNGS == ladder.CONTROL_RUNGS
 
 
 def test_the_dapo_row_pairs_each_rung_to_the_one_below_over_shared_seeds_and_waits_for_five():
     res = Ladder(lambda b, i, s: 0.5 + 0.02 * i + wobble(s, i), lambda b, i: range(4 if i == 3 else 5))
-    here, verdict, limits = claims._dapo(res)
+    here, verdict, limits = study._dapo(res)
     assert verdict == "Pending: the ladder has 4 of 5 seeds, the control 5 of 5"
     assert limits.startswith("4 of 5 seeds on the ladder, 5 of 5 on the control")
     # + clip-higher (rung 3) − + soft overlong shaping (rung 2), by hand over seeds 0-3
     diffs = [0.02 + wobble(s, 3) - wobble(s, 2) for s in range(4)]
-    want = claims.analysis.interval(diffs)
+    want = analysis.interval(diffs)
     assert f"+ clip-higher {want.text()} (" in here and "21-token budget (4 seeds" in here
     assert "Control, 32-token budget (5 seeds)" in here and "the 21-token budget cuts 10.0%" in limits
     assert "dynamic sampling draws 2.0 rounds" in limits
@@ -175,11 +173,19 @@ def test_the_dapo_row_pairs_each_rung_to_the_one_below_over_shared_seeds_and_wai
 )
 def test_with_five_seeds_the_dapo_verdict_follows_each_rungs_interval(step, filter_at_21, want):
     def acc(budget, rung, seed):
-        ups = [0.0, filter_at_21 if budget == claims.BINDING else 0.0] + [step] * (len(claims.RUNGS) - 1)
-        if budget == claims.LOOSE and rung == 1:  # filtering at 32 tokens: GRPO's seed plus noise of mean ~0
+        ups = [0.0, filter_at_21 if budget == study.BINDING else 0.0] + [step] * (len(study.RUNGS) - 1)
+        if budget == study.LOOSE and rung == 1:  # filtering at 32 tokens: GRPO's seed plus noise of mean ~0
             return 0.5 + wobble(seed, 0) + 0.01 * (-1) ** seed
         return 0.5 + sum(ups[: rung + 1]) + wobble(seed, rung)
 
-    _, verdict, limits = claims._dapo(Ladder(acc))
+    _, verdict, limits = study._dapo(Ladder(acc))
     assert verdict == want
     assert "they resolve paired sampled differences beyond ±" in limits
+
+
+def test_a_claims_file_gives_its_claims_in_order_and_one_without_them_is_refused(tmp_path):
+    loaded = claims.load(ROOT / "configs" / "sweeps" / "claims.py")
+    assert [(c.claim, c.sweeps) for c in loaded] == [(c.claim, c.sweeps) for c in study.CLAIMS]
+    (tmp_path / "none.py").write_text("CLAIMS = ()\n")
+    with pytest.raises(ValueError, match="must define CLAIMS"):
+        claims.load(tmp_path / "none.py")
