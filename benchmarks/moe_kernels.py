@@ -1,5 +1,5 @@
-"""The MoE dispatch paths (`gspo_jax.moe`) at a real model's expert dimensions, on whatever backend runs
-it: compiled temporary memory (XLA's `memory_analysis`) and time of one training pass (forward +
+"""The MoE dispatch paths (`gspo_jax.dispatch`) at a real model's expert dimensions, on whatever backend
+runs it: compiled temporary memory (XLA's `memory_analysis`) and time of one training pass (forward +
 backward) and of one decode step (forward of a small batch), with the analytic FLOPs and bytes.
 
     python -m benchmarks.moe_kernels                     # Qwen3-30B-A3B's expert dims, one layer
@@ -12,8 +12,9 @@ only routed work: 2 x 3 matmuls x rows x D x F forward, 3x that forward + backwa
 must read every expert's weights once (a batch x top-k of 512 touches nearly all 128 experts): its
 floor is those bytes at the device's copy bandwidth, measured here too.
 
-It imports only `gspo_jax.moe` (JAX and flax), not `benchmarks.run`, whose imports (the trainer,
-transformers, ml_collections) a bare accelerator image lacks: hence its own small timer and peak.
+It imports only `gspo_jax.dispatch` and `gspo_jax.grouped` (JAX), not `benchmarks.run`, whose imports
+(the trainer, transformers, ml_collections) a bare accelerator image lacks: hence its own small timer
+and peak.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from gspo_jax import grouped, moe
+from gspo_jax import dispatch, grouped
 
 DIMS = {
     # Qwen3-30B-A3B: width 2048, 128 experts top-8, expert width 768. Train: 16 sequences x 1536
@@ -38,14 +39,15 @@ TRITON_FLAG = "jax_ragged_dot_use_gpu_pallas_triton_lowering"
 
 
 def blocked_experts(x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, *, block: int):
-    """A candidate for accelerators: the sparse path's block-padded expert-sorted rows (`moe.block_layout`)
-    as one batched matmul over blocks, each block's expert weights gathered ([NB, D, F]); autodiff's
-    weight gradient is a batched matmul and a scatter-add over blocks: memory grows with the tokens
-    (NB = (A + E(b-1))/b blocks), never with experts x tokens. Unused blocks compute on zero rows."""
+    """A candidate for accelerators: the sparse path's block-padded expert-sorted rows
+    (`dispatch.block_layout`) as one batched matmul over blocks, each block's expert weights gathered
+    ([NB, D, F]); autodiff's weight gradient is a batched matmul and a scatter-add over blocks: memory
+    grows with the tokens (NB = (A + E(b-1))/b blocks), never with experts x tokens. Unused blocks
+    compute on zero rows."""
     B, T, D = x_BTD.shape
     K, E = topk_BTK.shape[-1], w_gate_EDF.shape[0]
     N, dtype = B * T, x_BTD.dtype
-    layout = moe.block_layout(topk_BTK.reshape(N, K).astype(jnp.int32), E, block)
+    layout = dispatch.block_layout(topk_BTK.reshape(N, K).astype(jnp.int32), E, block)
     x_RD = jnp.concatenate([x_BTD.reshape(N, D), jnp.zeros((1, D), dtype)])[layout.token_R]
     x_nbD = x_RD.reshape(-1, block, D)
     e_n = layout.expert_NB
@@ -152,12 +154,16 @@ def main():
     d = DIMS[args.dims]
     D, F, E, K = d["D"], d["F"], d["E"], d["K"]
     dtype = jnp.bfloat16
-    fns = {"ragged": moe.ragged_experts, "ragged_triton": moe.ragged_experts, "sparse": moe.sparse_experts}
-    fns["dense"] = moe.dense_experts
-    fns["grouped"] = moe.experts_fn("grouped", jax.default_backend())
+    fns = {
+        "ragged": dispatch.ragged_experts,
+        "ragged_triton": dispatch.ragged_experts,
+        "sparse": dispatch.sparse_experts,
+    }
+    fns["dense"] = dispatch.dense_experts
+    fns["grouped"] = dispatch.experts_fn("grouped", jax.default_backend())
     for b in (8, 32, 256, 512, 1024):
         fns[f"blocked{b}"] = functools.partial(blocked_experts, block=b)
-        fns[f"sparse{b}"] = functools.partial(moe.sparse_experts, block=b)
+        fns[f"sparse{b}"] = functools.partial(dispatch.sparse_experts, block=b)
     paths = [p for p in args.paths.split(",") if p]
     unknown = set(paths) - set(fns)
     if unknown:
@@ -198,7 +204,7 @@ def main():
             saved = dict(grouped.GPU_TILES)
             grouped.GPU_TILES.update(zip(names, (int(v) for v in t.split(","))))
             try:
-                fn = program(moe.experts_fn("grouped", jax.default_backend()), phase)
+                fn = program(dispatch.experts_fn("grouped", jax.default_backend()), phase)
                 row = measure(f"grouped[{t}]", fn, (x, topk, gates, *w), 3 * fwd_flops, args.repeats, False)
             finally:
                 grouped.GPU_TILES.clear()

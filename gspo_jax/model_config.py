@@ -11,7 +11,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from gspo_jax import moe
+from gspo_jax.dispatch import DISPATCHES
 from gspo_jax.validation import check, check_choice, check_int, check_number
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -51,7 +51,7 @@ class ModelConfig:
     dense_layers: tuple[int, ...] = ()  # like Qwen3-MoE mlp_only_layers
     lb_loss_coef: float = 0.0
     z_loss_coef: float = 0.0
-    # "auto": "sparse" on CPUs, "grouped" on GPUs and TPUs (`moe.resolve_dispatch`); or one of those,
+    # "auto": "sparse" on CPUs, "grouped" on GPUs and TPUs (`dispatch.resolve_dispatch`); or one of those,
     # "dense" (every expert on every token) or "ragged" (`lax.ragged_dot` under autodiff).
     dispatch: str = "auto"
     param_dtype: str = "float32"
@@ -93,7 +93,7 @@ class ModelConfig:
         check_int(own, "mlp_dim", self.mlp_dim, low=1 if self.num_moe_layers < self.num_layers else 0)
         for f in ("lb_loss_coef", "z_loss_coef"):
             check_number(own, f, getattr(self, f), low=0.0)
-        check_choice(own, "dispatch", self.dispatch, moe.DISPATCHES)
+        check_choice(own, "dispatch", self.dispatch, DISPATCHES)
         for f in ("param_dtype", "dtype"):
             check_choice(own, f, getattr(self, f), tuple(DTYPES))
         check_choice(own, "remat", self.remat, tuple(REMAT_POLICIES))

@@ -288,11 +288,11 @@ def test_blocked_expert_candidate_equals_the_dense_path():
     import numpy as np
 
     from benchmarks.moe_kernels import _inputs, _loss, blocked_experts
-    from gspo_jax import moe
+    from gspo_jax import dispatch
 
     x, topk, gates, w = _inputs(96, 32, 16, 8, 2, jnp.float32)
     grad = lambda fn: jax.grad(functools.partial(_loss, fn), argnums=(0, 3, 4, 5))(x, topk, gates, *w)
-    want, want_grads = moe.dense_experts(x, topk, gates, *w), grad(moe.dense_experts)
+    want, want_grads = dispatch.dense_experts(x, topk, gates, *w), grad(dispatch.dense_experts)
     for b in (8, 32):
         fn = functools.partial(blocked_experts, block=b)
         np.testing.assert_allclose(fn(x, topk, gates, *w), want, rtol=1e-4, atol=1e-5)

@@ -12,7 +12,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from gspo_jax import grouped, model_config, moe, sharding
+from gspo_jax import dispatch as dispatch_lib
+from gspo_jax import expert_parallel, grouped, model_config, moe, sharding
 from gspo_jax import model as model_lib
 from gspo_jax.sampler import Sampler, left_pad
 
@@ -36,7 +37,7 @@ def value_and_grads(experts, x, topk, gates, w):
 def test_values_and_gradients_equal_the_dense_path(kernels, N):
     # N = 100: 200 rows, more than one 128-row megablox tile and not a multiple of it (padded)
     x, topk, gates, w = inputs(N=N)
-    want = value_and_grads(moe.dense_experts, x, topk, gates, w)
+    want = value_and_grads(dispatch_lib.dense_experts, x, topk, gates, w)
     got = value_and_grads(functools.partial(grouped.grouped_experts, kernels=kernels), x, topk, gates, w)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         np.testing.assert_allclose(a, b, atol=2e-5, rtol=2e-5)
@@ -66,7 +67,7 @@ def test_bfloat16_close_to_float32():
     bf = lambda t: jax.tree.map(lambda a: a.astype(jnp.bfloat16), t)
     fn = functools.partial(grouped.grouped_experts, kernels="interpret")
     y16 = fn(bf(x), topk, gates, *bf(w))
-    y32 = moe.dense_experts(bf(x).astype(jnp.float32), topk, gates, *[a.astype(jnp.float32) for a in bf(w)])
+    y32 = dispatch_lib.dense_experts(bf(x).astype(jnp.float32), topk, gates, *[a.astype(jnp.float32) for a in bf(w)])
     assert y16.dtype == jnp.bfloat16
     np.testing.assert_allclose(np.asarray(y16, np.float32), y32, atol=0.02 * float(jnp.abs(y32).max()))
 
@@ -83,32 +84,32 @@ def test_bfloat16_close_to_float32():
     ],
 )
 def test_the_auto_rule(platform, dtype, want):
-    assert moe.resolve_dispatch("auto", platform, dtype) == want
-    assert moe.resolve_dispatch("ragged", platform, dtype) == "ragged"  # an explicit choice is kept
+    assert dispatch_lib.resolve_dispatch("auto", platform, dtype) == want
+    assert dispatch_lib.resolve_dispatch("ragged", platform, dtype) == "ragged"  # an explicit choice is kept
 
 
 def test_gpus_without_wgmma_get_dense_and_a_named_refusal(monkeypatch):
     monkeypatch.setattr(grouped, "gpus_have_wgmma", lambda: False)  # e.g. an A100 (compute capability 8.0)
-    assert moe.resolve_dispatch("auto", "gpu", jnp.bfloat16) == "dense"
-    assert moe.resolve_dispatch("auto", "tpu", jnp.bfloat16) == "grouped"
+    assert dispatch_lib.resolve_dispatch("auto", "gpu", jnp.bfloat16) == "dense"
+    assert dispatch_lib.resolve_dispatch("auto", "tpu", jnp.bfloat16) == "grouped"
     with pytest.raises(ValueError, match="compute capability 9.0"):
-        moe.experts_fn("grouped", "gpu", jnp.bfloat16)
+        dispatch_lib.experts_fn("grouped", "gpu", jnp.bfloat16)
 
 
 def test_widths_that_are_not_whole_gpu_tiles_get_dense_and_a_named_refusal():
     # The tiny preset's experts (D=64, F=32) on a GPU: the Mosaic GPU kernels need multiples of 128.
-    assert moe.resolve_dispatch("auto", "gpu", jnp.bfloat16, (64, 32)) == "dense"
-    assert moe.resolve_dispatch("auto", "gpu", jnp.bfloat16, (2048, 768)) == "grouped"
-    assert moe.resolve_dispatch("auto", "tpu", jnp.bfloat16, (64, 32)) == "grouped"  # megablox pads its tiles
+    assert dispatch_lib.resolve_dispatch("auto", "gpu", jnp.bfloat16, (64, 32)) == "dense"
+    assert dispatch_lib.resolve_dispatch("auto", "gpu", jnp.bfloat16, (2048, 768)) == "grouped"
+    assert dispatch_lib.resolve_dispatch("auto", "tpu", jnp.bfloat16, (64, 32)) == "grouped"  # megablox pads its tiles
     with pytest.raises(ValueError, match="model.embed_dim and model.moe_mlp_dim in multiples of 128"):
-        moe.experts_fn("grouped", "gpu", jnp.bfloat16, (2048, 96))
+        dispatch_lib.experts_fn("grouped", "gpu", jnp.bfloat16, (2048, 96))
 
 
 def test_grouped_float32_on_a_gpu_is_refused_by_name():
     with pytest.raises(ValueError, match="dispatch='grouped'.*float32"):
-        moe.experts_fn("grouped", "gpu", jnp.float32)
-    assert moe.experts_fn("grouped", "tpu", jnp.float32).keywords == {"kernels": "megablox"}
-    assert moe.experts_fn("grouped", "gpu", jnp.bfloat16).keywords == {"kernels": "mosaic_gpu"}
+        dispatch_lib.experts_fn("grouped", "gpu", jnp.float32)
+    assert dispatch_lib.experts_fn("grouped", "tpu", jnp.float32).keywords == {"kernels": "megablox"}
+    assert dispatch_lib.experts_fn("grouped", "gpu", jnp.bfloat16).keywords == {"kernels": "mosaic_gpu"}
 
 
 def test_platform_is_the_mesh_devices_under_a_mesh():
@@ -170,8 +171,8 @@ def grouped_layer_grads(axes, shape):
 )
 def test_every_mesh_layout_runs_the_kernels_per_device_and_equals_one_device(axes, shape, kernels, monkeypatch):
     """On a mesh of several devices the grouped kernels run inside a shard_map (XLA cannot partition a
-    Mosaic kernel's call): `moe.batch_parallel` without an expert axis (tokens over the data axes,
-    expert widths over "tensor"), `moe.expert_parallel` with one; on one device, no shard_map. Values
+    Mosaic kernel's call): `expert_parallel.batch_parallel` without an expert axis (tokens over the data axes,
+    expert widths over "tensor"), `expert_parallel.expert_parallel` with one; on one device, no shard_map. Values
     and gradients equal the run without a mesh, with the CPU's reference kernels or megablox's own code
     (interpreted); (2, 5): 10 tokens padded to split over 4 devices."""
     monkeypatch.setattr(grouped, "for_platform", lambda platform: kernels)
@@ -187,12 +188,13 @@ def test_every_mesh_layout_runs_the_kernels_per_device_and_equals_one_device(axe
 
 
 def test_the_other_dispatches_are_left_to_xla_without_an_expert_axis():
+    dense, on_mesh = dispatch_lib.dense_experts, expert_parallel.parallel_experts
     mesh = sharding.make_mesh(data=2, fsdp=2).abstract_mesh
     for dispatch in ("sparse", "dense", "ragged"):
-        assert moe.parallel_experts(moe.dense_experts, dispatch, mesh) is moe.dense_experts
-    assert moe.parallel_experts(moe.dense_experts, "grouped", mesh).func is moe.batch_parallel
+        assert on_mesh(dense, dispatch, mesh) is dense
+    assert on_mesh(dense, "grouped", mesh).func is expert_parallel.batch_parallel
     one = sharding.make_mesh().abstract_mesh
-    assert moe.parallel_experts(moe.dense_experts, "grouped", one) is moe.dense_experts
+    assert on_mesh(dense, "grouped", one) is dense
 
 
 def test_sampler_and_scoring_in_batch_chunks_on_a_mesh_equal_one_device():

@@ -1,4 +1,5 @@
-"""Tests for the NNX decoder (model.py) and the MoE layer (moe.py)."""
+"""Tests for the NNX decoder (model.py), the MoE layer (moe.py), its dispatch paths (dispatch.py) and
+expert parallelism (expert_parallel.py)."""
 
 import dataclasses
 import functools
@@ -12,7 +13,8 @@ import pytest
 from absl.testing import parameterized
 from flax import nnx
 
-from gspo_jax import compiles, logprobs, model_config, moe, sharding
+from gspo_jax import compiles, expert_parallel, logprobs, model_config, moe, sharding
+from gspo_jax import dispatch as dispatch_lib
 from gspo_jax import model as model_lib
 
 B, T = 2, 8
@@ -477,7 +479,7 @@ class TestSparseDispatch(chex.TestCase):
         # 3 tokens, top-2 over 3 experts, blocks of 2 rows: expert 0 gets assignments (t0,k0), (t2,k1);
         # expert 1 gets (t0,k1), (t1,k0), (t2,k0); expert 2 gets (t1,k1).
         topk_NK = jnp.array([[0, 1], [1, 2], [1, 0]], jnp.int32)
-        layout = moe.block_layout(topk_NK, 3, 2)
+        layout = dispatch_lib.block_layout(topk_NK, 3, 2)
         # Expert 0: rows 0-1 (one block); expert 1: rows 2-5 (two blocks, one padding row); expert 2: 6-7.
         np.testing.assert_array_equal(layout.row_NK, [[0, 2], [3, 6], [4, 1]])
         np.testing.assert_array_equal(layout.token_R[:8], [0, 2, 0, 1, 2, 3, 1, 3])
@@ -488,17 +490,17 @@ class TestSparseDispatch(chex.TestCase):
         assert np.all(np.asarray(layout.token_R[8:]) == 3)
 
     def test_block_size_rule(self):
-        assert moe.sparse_block_size(20480, 4) == 256
-        assert moe.sparse_block_size(2304, 8) == 64  # E·b <= A/4
-        assert moe.sparse_block_size(256, 4) == 16
-        assert moe.sparse_block_size(4, 128) == 8  # never below 8
+        assert dispatch_lib.sparse_block_size(20480, 4) == 256
+        assert dispatch_lib.sparse_block_size(2304, 8) == 64  # E·b <= A/4
+        assert dispatch_lib.sparse_block_size(256, 4) == 16
+        assert dispatch_lib.sparse_block_size(4, 128) == 8  # never below 8
 
     def test_chunk_rule(self):
-        assert moe.chunk_blocks(2304, 17, 32) == 4  # `bench`: 128-row chunks, ~4 blocks an expert
-        assert moe.chunk_blocks(4608, 9, 64) == 2  # the default config
-        assert moe.chunk_blocks(20480, 5, 256) == 1  # blocks already wide
-        assert moe.chunk_blocks(2048, 65, 8) == 2  # at most an expert's average share of blocks
-        assert moe.chunk_blocks(256, 5, 8) == 1  # the tiny preset: too small to pay
+        assert dispatch_lib.chunk_blocks(2304, 17, 32) == 4  # `bench`: 128-row chunks, ~4 blocks an expert
+        assert dispatch_lib.chunk_blocks(4608, 9, 64) == 2  # the default config
+        assert dispatch_lib.chunk_blocks(20480, 5, 256) == 1  # blocks already wide
+        assert dispatch_lib.chunk_blocks(2048, 65, 8) == 2  # at most an expert's average share of blocks
+        assert dispatch_lib.chunk_blocks(256, 5, 8) == 1  # the tiny preset: too small to pay
 
     @chex.variants(with_jit=True)
     @parameterized.named_parameters(
@@ -519,24 +521,25 @@ class TestSparseDispatch(chex.TestCase):
         topk, gates, _ = moe.route(logits, K, True)
         if routing == "skewed":
             assert np.all(np.asarray(topk[..., 0]) == 2)
-        sparse = functools.partial(moe.sparse_experts, block=block, chunk=chunk)
+        sparse = functools.partial(dispatch_lib.sparse_experts, block=block, chunk=chunk)
 
         def loss(fn, x, gates, *w):
             return jnp.sum(jnp.sin(fn(x, topk, gates, *w)))
 
-        y_d = moe.dense_experts(x, topk, gates, *w)
+        dense = dispatch_lib.dense_experts
+        y_d = dense(x, topk, gates, *w)
         y_s = self.variant(lambda *a: sparse(a[0], topk, *a[1:]))(x, gates, *w)
         np.testing.assert_allclose(y_s, y_d, atol=1e-5, rtol=1e-5)
         grad = lambda fn: jax.value_and_grad(functools.partial(loss, fn), argnums=(0, 1, 2, 3, 4))
-        (l_d, g_d), (l_s, g_s) = grad(moe.dense_experts)(x, gates, *w), self.variant(grad(sparse))(x, gates, *w)
+        (l_d, g_d), (l_s, g_s) = grad(dense)(x, gates, *w), self.variant(grad(sparse))(x, gates, *w)
         np.testing.assert_allclose(l_s, l_d, rtol=1e-5)
         chex.assert_trees_all_close(g_s, g_d, atol=1e-5, rtol=1e-4)
         assert all(float(jnp.abs(g).max()) > 0 for g in g_s)
 
 
 class TestExpertParallel(chex.TestCase):
-    """The all-to-all expert-parallel MoE (`moe.expert_parallel`) on the fake 8-device mesh against the
-    single-device dense path, in values and gradients."""
+    """The all-to-all expert-parallel MoE (`expert_parallel.expert_parallel`) on the fake 8-device mesh
+    against the single-device dense path, in values and gradients."""
 
     @parameterized.named_parameters(*((d, d) for d in ("dense", "ragged", "sparse", "grouped")))
     def test_no_expert_index_gives_zero_rows(self, dispatch):
@@ -548,7 +551,7 @@ class TestExpertParallel(chex.TestCase):
         w = [jax.random.normal(k, s) for k, s in zip(ks[1:4], [(E, D, F), (E, D, F), (E, F, D)])]
         topk = jax.random.randint(ks[4], (1, 10, 1), 0, E)
         none = jnp.arange(10)[None, :, None] % 3 == 0
-        fn = moe.experts_fn(dispatch, "cpu")
+        fn = dispatch_lib.experts_fn(dispatch, "cpu")
         ones = jnp.ones((1, 10, 1))
         y = fn(x, jnp.where(none, E, topk), ones, *w)
         y_all = fn(x, topk, ones, *w)
@@ -573,7 +576,7 @@ class TestExpertParallel(chex.TestCase):
         if routing == "skewed":  # every token picks experts 2 and 3, both on one expert shard
             logits = logits.at[..., 2:4].add(100.0)
         topk, gates, _ = moe.route(logits, K, True)
-        local = moe.experts_fn(dispatch, "cpu")
+        local = dispatch_lib.experts_fn(dispatch, "cpu")
 
         def loss(experts, x, gates, *w):
             y = experts(x, topk, gates, *w)
@@ -582,10 +585,10 @@ class TestExpertParallel(chex.TestCase):
         grad = lambda experts: jax.value_and_grad(
             functools.partial(loss, experts), argnums=(0, 1, 2, 3, 4), has_aux=True
         )
-        (l_d, y_d), g_d = grad(moe.dense_experts)(x, gates, *w)
+        (l_d, y_d), g_d = grad(dispatch_lib.dense_experts)(x, gates, *w)
 
         mesh = sharding.make_mesh(**axes)
-        ep = lambda *a: moe.expert_parallel(local, jax.sharding.get_abstract_mesh(), *a)
+        ep = lambda *a: expert_parallel.expert_parallel(local, jax.sharding.get_abstract_mesh(), *a)
         rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
         fn = jax.jit(sharding.under_mesh(grad(ep), mesh), in_shardings=rep, out_shardings=rep)
         assert "all-to-all" in fn.lower(x, gates, *w).compile().as_text()  # tokens really travel
@@ -599,8 +602,8 @@ class TestExpertParallel(chex.TestCase):
         mesh = sharding.make_mesh(expert=8)
         x, w = jnp.zeros((1, 8, 4)), jnp.zeros((4, 4, 2))
         with pytest.raises(ValueError, match="num_experts"):
-            moe.expert_parallel(
-                moe.dense_experts, mesh, x, jnp.zeros((1, 8, 1), jnp.int32), jnp.ones((1, 8, 1)), w, w, w
+            expert_parallel.expert_parallel(
+                dispatch_lib.dense_experts, mesh, x, jnp.zeros((1, 8, 1), jnp.int32), jnp.ones((1, 8, 1)), w, w, w
             )
 
 

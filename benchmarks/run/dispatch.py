@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from benchmarks.run.timing import best_time
-from gspo_jax import moe
+from gspo_jax import dispatch, expert_parallel
 from gspo_jax.sharding import make_mesh, under_mesh
 
 
@@ -38,16 +38,16 @@ def moe_dispatch(tiny: bool, repeats: int) -> dict:
             gates = jnp.full((1, N, 2), 0.5)
             row = dict(tokens=N, experts=E, top_k=2)
             for name, fn in (
-                ("dense", moe.dense_experts),
-                ("ragged", moe.ragged_experts),
-                ("sparse", moe.sparse_experts),
+                ("dense", dispatch.dense_experts),
+                ("ragged", dispatch.ragged_experts),
+                ("sparse", dispatch.sparse_experts),
             ):
                 loss = functools.partial(_dispatch_loss, fn, topk, gates)
                 f = jax.jit(jax.value_and_grad(loss))
                 row[f"{name}_seconds"] = best_time(functools.partial(f, x, *w), repeats)
             if jax.device_count() >= 2:  # the all-to-all path, experts split over two devices, sparse on each
                 mesh = make_mesh(expert=2)
-                ep = functools.partial(moe.expert_parallel, moe.sparse_experts, mesh.abstract_mesh)
+                ep = functools.partial(expert_parallel.expert_parallel, dispatch.sparse_experts, mesh.abstract_mesh)
                 loss = functools.partial(_dispatch_loss, ep, topk, gates)
                 rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
                 f = jax.jit(under_mesh(jax.value_and_grad(loss), mesh), in_shardings=rep, out_shardings=rep)

@@ -1,0 +1,329 @@
+"""The experts' dispatch paths, each a function (x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF,
+w_down_EFD) -> y_BTD on one device: "dense" (every expert on every token), "ragged" (`lax.ragged_dot`),
+"sparse" (a block loop over expert-sorted rows, with a hand-written backward) and "grouped" (the
+grouped kernels of `gspo_jax/grouped.py`), and the `auto` rule that picks one per backend. The router
+and the layer are `gspo_jax/moe.py`; the experts on a mesh, `gspo_jax/expert_parallel.py`. Shape
+letters: `gspo_jax/__init__.py` (E experts, K chosen per token, F expert width).
+
+Every path is dropless and exact: a token's output is computed from its own row only. Every path reads
+an expert index equal to E as "no expert": that row's output is zero (the expert-parallel exchange uses
+it for the empty slots of its buffers).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from gspo_jax import grouped
+
+DISPATCHES = ("auto", "sparse", "grouped", "dense", "ragged")
+
+
+def resolve_dispatch(dispatch: str, platform: str, dtype=jnp.bfloat16, dims: tuple[int, int] | None = None) -> str:
+    """The one `dispatch="auto"` rule, by platform and compute dtype:
+    - CPU: "sparse" (the block loop): loops are cheap there and XLA:CPU has no grouped kernels;
+    - TPU: "grouped" (megablox kernels);
+    - GPU: "grouped" (Mosaic GPU kernels) in 16-bit compute on Hopper or newer; "dense" in float32,
+      which the kernels' wgmma does not take (a float32 model on a GPU is a small one: E/K times the
+      routed FLOPs in one einsum beats a serial block loop), on older GPUs, which lack wgmma, and
+      where the model or expert width (`dims`, (D, F)) is not whole 128-wide tiles of the kernels.
+    On an H100 at Qwen3-30B-A3B's expert dims the grouped training pass runs 4.8x the sparse loop and
+    its decode step 1.8x the dense path (`benchmarks/moe_kernels.py`; the real-dims sampler's step 1.6x,
+    `benchmarks.run`). Any other value is kept."""
+    if dispatch != "auto":
+        return dispatch
+    if platform == "cpu":
+        return "sparse"
+    if platform in ("gpu", "cuda") and (
+        jnp.dtype(dtype).itemsize > 2 or not grouped.gpus_have_wgmma() or not grouped.gpu_dims_fit(dims)
+    ):
+        return "dense"
+    return "grouped"
+
+
+def experts_fn(dispatch: str, platform: str, dtype=jnp.bfloat16, dims: tuple[int, int] | None = None):
+    """The experts function (x, topk, gates, w_gate, w_up, w_down) -> y of a dispatch on a platform;
+    `dims`: the model and expert widths (D, F), where known."""
+    dispatch = resolve_dispatch(dispatch, platform, dtype, dims)
+    if dispatch == "grouped":
+        kernels = grouped.for_platform(platform)
+        if kernels == "mosaic_gpu" and not grouped.gpu_dims_fit(dims):
+            raise ValueError(
+                f"MoE: dispatch='grouped' on a GPU needs model.embed_dim and model.moe_mlp_dim in multiples of "
+                f"{grouped.GPU_DIM_MULTIPLE} (the Mosaic GPU kernels' tiles), not {dims}; use dispatch='auto'"
+            )
+        if kernels == "mosaic_gpu" and jnp.dtype(dtype).itemsize > 2:
+            raise ValueError(
+                f"MoE: dispatch='grouped' on a GPU needs a 16-bit compute dtype (bfloat16 or float16), not "
+                f"{jnp.dtype(dtype).name}: the Mosaic GPU kernels' wgmma takes no float32; use dispatch='auto'"
+            )
+        if kernels == "mosaic_gpu" and not grouped.gpus_have_wgmma():
+            raise ValueError(
+                "MoE: dispatch='grouped' on a GPU needs compute capability 9.0 or newer (Hopper: the Mosaic GPU "
+                "kernels use wgmma); use dispatch='auto'"
+            )
+        return functools.partial(grouped.grouped_experts, kernels=kernels)
+    return {"dense": dense_experts, "ragged": ragged_experts, "sparse": sparse_experts}[dispatch]
+
+
+def dense_experts(x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF, w_down_EFD):
+    """Every expert on every token, mixed by a [B,T,E] combine tensor (zero off the top-k).
+
+    E times the FLOPs of sparse dispatch, but plain einsums: the fast path on CPU at small E.
+    """
+    dtype = x_BTD.dtype
+    combine_BTE = jnp.einsum(
+        "btk,btke->bte", gates_BTK, jax.nn.one_hot(topk_BTK, w_gate_EDF.shape[0], dtype=jnp.float32)
+    )
+    gate_BTEF = jnp.einsum("btd,edf->btef", x_BTD, w_gate_EDF.astype(dtype))
+    up_BTEF = jnp.einsum("btd,edf->btef", x_BTD, w_up_EDF.astype(dtype))
+    h_BTEF = jax.nn.silu(gate_BTEF) * up_BTEF
+    y_BTED = jnp.einsum("btef,efd->bted", h_BTEF, w_down_EFD.astype(dtype))
+    y_BTD = jnp.einsum("bted,bte->btd", y_BTED, combine_BTE, preferred_element_type=jnp.float32)
+    return y_BTD.astype(dtype)
+
+
+def ragged_experts(x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF, w_down_EFD):
+    """Sparse dispatch: sort the A = B·T·K (token, expert) assignments by expert, run grouped
+    matmuls with `lax.ragged_dot`, unsort, weight by the gates and sum over K.
+
+    All shapes are static (A assignments), so it jit-compiles once; the TPU path.
+    """
+    B, T, D = x_BTD.shape
+    K = topk_BTK.shape[-1]
+    E = w_gate_EDF.shape[0]
+    dtype = x_BTD.dtype
+    x_ND = x_BTD.reshape(B * T, D)
+    expert_A = topk_BTK.reshape(-1)
+    order_A = jnp.argsort(expert_A, stable=True)
+    x_AD = x_ND[order_A // K]
+    group_sizes_E = jnp.bincount(expert_A, length=E).astype(jnp.int32)
+    gate_AF = jax.lax.ragged_dot(x_AD, w_gate_EDF.astype(dtype), group_sizes_E)
+    up_AF = jax.lax.ragged_dot(x_AD, w_up_EDF.astype(dtype), group_sizes_E)
+    h_AF = jax.nn.silu(gate_AF) * up_AF
+    y_sorted_AD = jax.lax.ragged_dot(h_AF, w_down_EFD.astype(dtype), group_sizes_E)
+    inverse_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(order_A.shape[0], dtype=order_A.dtype))
+    y_NKD = y_sorted_AD[inverse_A].reshape(B * T, K, D)
+    y_ND = jnp.einsum("nkd,nk->nd", y_NKD, gates_BTK.reshape(B * T, K), preferred_element_type=jnp.float32)
+    return y_ND.reshape(B, T, D).astype(dtype)
+
+
+def sparse_block_size(assignments: int, num_experts: int) -> int:
+    """Rows per block of the sparse path: the largest power of two in [8, 256] with E·b <= A/4, so the
+    padding (at most b - 1 rows per expert) costs at most a quarter of the useful rows, on average an
+    eighth, while the blocks stay wide enough for efficient matmuls."""
+    b = 256
+    while b > 8 and num_experts * b * 4 > assignments:
+        b //= 2
+    return b
+
+
+class BlockLayout(NamedTuple):
+    """Where each (token, choice) assignment sits in the expert-sorted, block-padded row buffer.
+
+    Rows are grouped by expert, each expert's group padded to a multiple of `b` rows, so every block of
+    b rows belongs to one expert. Padding rows point at token N (a zero row). Static sizes: R = NB·b
+    rows with NB = (A + E·(b - 1)) // b blocks, the most any routing can need; only `num_blocks` are used.
+    """
+
+    row_NK: jax.Array  # int32 [N, K]: the row of each assignment
+    token_R: jax.Array  # int32 [R]: the token of each row (N on padding rows)
+    expert_NB: jax.Array  # int32 [NB]: the expert of each block (clamped to E - 1 past the used ones)
+    num_blocks: jax.Array  # int32 scalar: blocks in use
+    block_end_E: jax.Array  # int32 [E]: one past each expert's last block
+
+
+def block_layout(topk_NK: jax.Array, num_experts: int, b: int) -> BlockLayout:
+    """The block-padded expert-sorted layout of a routing (integer work only, no sort: a token's rank
+    within its expert is a running count). Within an expert, rows keep the assignments' order."""
+    N, K = topk_NK.shape
+    A, E = N * K, num_experts
+    NB = (A + E * (b - 1)) // b
+    expert_A = topk_NK.reshape(A)
+    onehot_AE = jax.nn.one_hot(expert_A, E, dtype=jnp.int32)
+    rank_A = jnp.take_along_axis(jnp.cumsum(onehot_AE, axis=0), expert_A[:, None], axis=1)[:, 0] - 1
+    blocks_E = (jnp.sum(onehot_AE, axis=0) + b - 1) // b
+    block_end_E = jnp.cumsum(blocks_E)
+    row_A = ((block_end_E - blocks_E) * b)[expert_A] + rank_A
+    token_R = jnp.full((NB * b,), N, jnp.int32).at[row_A].set(jnp.arange(A, dtype=jnp.int32) // K, unique_indices=True)
+    expert_NB = jnp.searchsorted(block_end_E, jnp.arange(NB, dtype=jnp.int32), side="right")
+    return BlockLayout(
+        row_NK=row_A.reshape(N, K).astype(jnp.int32),
+        token_R=token_R,
+        expert_NB=jnp.minimum(expert_NB, E - 1).astype(jnp.int32),
+        num_blocks=block_end_E[-1].astype(jnp.int32),
+        block_end_E=block_end_E.astype(jnp.int32),
+    )
+
+
+# Up to this many experts, the block loop is one loop per expert with the expert's index static, so its
+# weights are loop-invariant (read in place, not copied out per block); past it, one loop reads each
+# block's expert (fewer loops to compile).
+STATIC_EXPERT_LOOPS = 16
+
+
+def chunk_blocks(assignments: int, num_experts: int, b: int) -> int:
+    """Blocks per chunk in the training pass: an expert's blocks run `chunk` at a time (then one at a
+    time for the rest), so each matmul has about 128 rows where blocks are small, without more
+    padding. A power of two, at most the blocks an expert gets on average; 1 where blocks are already
+    128 rows or more, and below 2,048 assignments, where the extra loops cost more compile time than
+    the wider matmuls save."""
+    c = 1
+    while assignments >= 2048 and 2 * c * b <= 128 and 2 * c * b * num_experts <= assignments:
+        c *= 2
+    return c
+
+
+def _for_each_block(layout: BlockLayout, weights: tuple, body, carry, b: int, chunk: int = 1):
+    """carry = body(r, n, carry, w, e) over every used block in order, r its first row and n (static)
+    its rows: e is the block's expert and w the tuple of each [E, ...] array of `weights` at e. With
+    static experts each expert's weights are sliced once, before its loops: XLA:CPU neither hoists
+    such a slice out of the loop nor makes it a view, so slicing inside copied the expert's weights
+    for every block (`benchmarks/profile.py`). The slices sit behind a barrier for the same reason one
+    level up: XLA hoists a barrier (never a bare slice) out of an enclosing loop, so a decode step
+    reads loop-invariant weights in place. With `chunk` > 1 an expert's blocks go `chunk` at a time
+    (n = chunk·b) while that many are left, then one at a time (static experts only: past
+    STATIC_EXPERT_LOOPS one loop visits every block alone)."""
+    num_experts = weights[0].shape[0]
+    if num_experts <= STATIC_EXPERT_LOOPS:
+        for e in range(num_experts):
+            w = tuple(jax.lax.optimization_barrier(x[e]) for x in weights)
+            start, end = (layout.block_end_E[e - 1] if e else 0), layout.block_end_E[e]
+            if chunk > 1:
+                n = chunk * b
+                full = (end - start) // chunk
+                run = lambda j, c, w=w, e=e, s=start, n=n: body((s + j * chunk) * b, n, c, w, e)
+                carry = jax.lax.fori_loop(0, full, run, carry)
+                start = start + full * chunk
+            carry = jax.lax.fori_loop(start, end, lambda i, c, w=w, e=e: body(i * b, b, c, w, e), carry)
+        return carry
+    end = layout.block_end_E[num_experts - 1]  # the blocks of "no expert" (index E), if any, are skipped
+
+    def one(i, c):
+        e = layout.expert_NB[i]
+        return body(i * b, b, c, tuple(x[e] for x in weights), e)
+
+    return jax.lax.fori_loop(0, end, one, carry)
+
+
+def _rows(x_RD, r, n):
+    return jax.lax.dynamic_slice_in_dim(x_RD, r, n)
+
+
+def _put_rows(x_RD, rows_nD, r):
+    return jax.lax.dynamic_update_slice_in_dim(x_RD, rows_nD.astype(x_RD.dtype), r, axis=0)
+
+
+def _dot(a, b_):
+    return jnp.dot(a, b_, preferred_element_type=jnp.float32)
+
+
+def _swiglu_blocks(layout: BlockLayout, x_RD, w_gate_EDF, w_up_EDF, w_down_EFD, b: int, chunk: int, keep: bool):
+    """The experts' SwiGLU on every used block: y_R [R, D], and the gate and up pre-activations
+    (g_R, u_R [R, F]) when `keep` (the backward pass reads them). Gate and up stay two matmuls on the
+    layer's own weights: concatenating them per layer copied every expert's weights once more."""
+    dtype = x_RD.dtype
+
+    def body(r, n, carry, w, e):
+        (y_RD, g_RF, u_RF), (w_gate_DF, w_up_DF, w_down_FD) = carry, w
+        x_nD = _rows(x_RD, r, n)
+        g_nF, u_nF = _dot(x_nD, w_gate_DF).astype(dtype), _dot(x_nD, w_up_DF).astype(dtype)
+        y_RD = _put_rows(y_RD, _dot(jax.nn.silu(g_nF) * u_nF, w_down_FD), r)
+        if keep:
+            g_RF, u_RF = _put_rows(g_RF, g_nF, r), _put_rows(u_RF, u_nF, r)
+        return y_RD, g_RF, u_RF
+
+    R, D = x_RD.shape
+    kept = jnp.zeros((R if keep else 0, w_down_EFD.shape[1]), dtype)
+    init = (jnp.zeros((R, D), dtype), kept, kept)
+    return _for_each_block(layout, (w_gate_EDF, w_up_EDF, w_down_EFD), body, init, b, chunk)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _sparse_experts(b: int, chunk: int, layout: BlockLayout, x_ND, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD):
+    # Forward only (sampling, scoring): one block at a time, fewer loops to compile; no gain measured.
+    return _sparse_experts_fwd(b, 1, layout, x_ND, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD, keep=False)[0]
+
+
+def _sparse_experts_fwd(b, chunk, layout, x_ND, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD, keep=True):
+    x_RD = jnp.concatenate([x_ND, jnp.zeros_like(x_ND[:1])])[layout.token_R]
+    y_RD, g_RF, u_RF = _swiglu_blocks(layout, x_RD, w_gate_EDF, w_up_EDF, w_down_EFD, b, chunk, keep)
+    y_NKD = y_RD[layout.row_NK]
+    y_ND = jnp.einsum("nkd,nk->nd", y_NKD, gates_NK, preferred_element_type=jnp.float32).astype(x_ND.dtype)
+    return y_ND, (layout, x_RD, g_RF, u_RF, y_NKD, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD)
+
+
+def _sparse_experts_bwd(b, chunk, res, dy_ND):
+    layout, x_RD, g_RF, u_RF, y_NKD, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD = res
+    dtype = x_RD.dtype
+    dy_ND = dy_ND.astype(jnp.float32)
+    d_gates_NK = jnp.einsum("nkd,nd->nk", y_NKD.astype(jnp.float32), dy_ND).astype(gates_NK.dtype)
+    # Each row's output gradient: its token's, times its gate (padding rows read the zero row).
+    gate_R = (
+        jnp.zeros((x_RD.shape[0],), jnp.float32)
+        .at[layout.row_NK.reshape(-1)]
+        .set(gates_NK.reshape(-1).astype(jnp.float32), unique_indices=True)
+    )
+    dy_RD = (jnp.concatenate([dy_ND, jnp.zeros_like(dy_ND[:1])])[layout.token_R] * gate_R[:, None]).astype(dtype)
+
+    def body(r, n, carry, w, e):
+        (dx_RD, dw_gate_EDF, dw_up_EDF, dw_down_EFD), (w_gate_DF, w_up_DF, w_down_FD) = carry, w
+        dy_nD, x_nD = _rows(dy_RD, r, n), _rows(x_RD, r, n)
+        g_nF, u_nF = _rows(g_RF, r, n).astype(jnp.float32), _rows(u_RF, r, n).astype(jnp.float32)
+        sig_nF = jax.nn.sigmoid(g_nF)
+        silu_nF = g_nF * sig_nF
+        h_nF = (silu_nF * u_nF).astype(dtype)
+        dh_nF = _dot(dy_nD, w_down_FD.T)
+        dg_nF = (dh_nF * u_nF * sig_nF * (1 + g_nF * (1 - sig_nF))).astype(dtype)
+        du_nF = (dh_nF * silu_nF).astype(dtype)
+        dx_RD = _put_rows(dx_RD, _dot(dg_nF, w_gate_DF.T) + _dot(du_nF, w_up_DF.T), r)
+        dw_gate_EDF = dw_gate_EDF.at[e].add(_dot(x_nD.T, dg_nF))
+        dw_up_EDF = dw_up_EDF.at[e].add(_dot(x_nD.T, du_nF))
+        dw_down_EFD = dw_down_EFD.at[e].add(_dot(h_nF.T, dy_nD))
+        return dx_RD, dw_gate_EDF, dw_up_EDF, dw_down_EFD
+
+    zeros = lambda w: jnp.zeros(w.shape, jnp.float32)
+    init = (jnp.zeros_like(x_RD), zeros(w_gate_EDF), zeros(w_up_EDF), zeros(w_down_EFD))
+    weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
+    dx_RD, dw_gate, dw_up, dw_down = _for_each_block(layout, weights, body, init, b, chunk)
+    dx_ND = jnp.sum(dx_RD[layout.row_NK].astype(jnp.float32), axis=1).astype(dtype)
+    cast = lambda g, like: g.astype(like.dtype)
+    return None, dx_ND, d_gates_NK, cast(dw_gate, w_gate_EDF), cast(dw_up, w_up_EDF), cast(dw_down, w_down_EFD)
+
+
+_sparse_experts.defvjp(_sparse_experts_fwd, _sparse_experts_bwd)
+
+
+def sparse_experts(
+    x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, *, block: int | None = None, chunk: int | None = None
+):
+    """Sparse dispatch for CPUs: each token's rows go to an expert-sorted buffer padded per expert to
+    blocks of `block` rows (`sparse_block_size` by default), and a loop over the used blocks runs
+    each one's SwiGLU with its expert's weights. Exact and dropless: a token's output is computed from
+    its own row only, in k·(useful) FLOPs plus at most `block - 1` padding rows per expert, never E/k
+    times the work like the dense path. Under differentiation (the forward and the backward), an
+    expert's blocks run `chunk` at a time (`chunk_blocks` by default) while that many are left: small
+    blocks keep the padding small, chunks keep the matmuls wide; forward-only calls (sampling,
+    scoring) run single blocks. The backward pass is hand-written (the same loops; the gathers'
+    transposes are gathers of the inverse permutation, never scatter-adds)."""
+    B, T, D = x_BTD.shape
+    K, E = topk_BTK.shape[-1], w_gate_EDF.shape[0]
+    dtype = x_BTD.dtype
+    b = block or sparse_block_size(B * T * K, E)
+    # E + 1 groups: rows routed to "no expert" (index E) get blocks of their own that no loop visits.
+    layout = block_layout(topk_BTK.reshape(B * T, K).astype(jnp.int32), E + 1, b)
+    y_ND = _sparse_experts(
+        b,
+        chunk or chunk_blocks(B * T * K, E + 1, b),
+        layout,
+        x_BTD.reshape(B * T, D),
+        gates_BTK.reshape(B * T, K),
+        w_gate_EDF.astype(dtype),
+        w_up_EDF.astype(dtype),
+        w_down_EFD.astype(dtype),
+    )
+    return y_ND.reshape(B, T, D)
