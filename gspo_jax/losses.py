@@ -1,7 +1,8 @@
 """Critic-free policy losses (GRPO, DAPO, GSPO, GSPO-token, Dr.GRPO, GMPO, CISPO, SAPO, VESPO).
 
 Every loss is a pure function of per-token log-probabilities: it never sees the model. A loss is
-assembled from orthogonal pieces chosen by a frozen `LossConfig`:
+assembled from orthogonal pieces chosen by a frozen `LossConfig` (the ratios and gates are in
+`gspo_jax.ratios`, the diagnostics in `gspo_jax.loss_diagnostics`):
 
   ratio        how π_θ/π_old is formed: per token, per sequence (GSPO), per sequence with
                per-token gradients (GSPO-token), as a geometric mean of log-clipped tokens (GMPO),
@@ -11,8 +12,9 @@ assembled from orthogonal pieces chosen by a frozen `LossConfig`:
                stop-gradient weight, SAPO's soft sigmoid gate, or VESPO's gamma kernel
   aggregation  how per-token (or per-sequence) losses become one number
 
-and, from outside, weights and masks on it: the sampler–trainer correction (`is_weight`), the mismatch
-masks (`keep`, zeroed inside the sum) and RSPO's router-shift weight on the ratio (`router_shift`).
+and, from outside, weights and masks on it (`LossWeights`): the sampler–trainer correction
+(`is_weight`), the mismatch masks (`keep`, zeroed inside the sum) and RSPO's router-shift weight on the
+ratio (`router_shift`).
 
 Shape letters: see `gspo_jax/__init__.py`. `mask_BT` is 1 on completion tokens, 0 on prompt and
 padding. All math is float32 whatever the input dtype. Formulas: docs/ALGORITHMS.md. Which loss each
@@ -30,14 +32,27 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
-from collections.abc import Callable
 from typing import NamedTuple
 
 import chex
 import jax
 import jax.numpy as jnp
 
-from gspo_jax.metrics import Max, Mean, Metric, Min, Sum
+from gspo_jax.loss_diagnostics import DiagnosticInputs, diagnostics, split_diagnostics
+from gspo_jax.metrics import Mean, Metric, Sum
+from gspo_jax.ratios import (
+    GATE_FNS,
+    KL_FNS,
+    VESPO_LOG_W_MIN,
+    clamp_log_ratio,
+    geometric_log_ratio,
+    masked_log_ratio,
+    masked_sum,
+    sequence_log_ratio,
+    sequence_sum_log_ratio,
+    sequence_sum_token_log_ratio,
+    sequence_token_log_ratio,
+)
 from gspo_jax.validation import check, check_choice, check_number, fail
 
 Array = jax.Array
@@ -60,8 +75,6 @@ GATES_FOR_RATIO = {
     "sequence_sum": ("clip", "sapo"),
     "sequence_sum_token": ("clip", "sapo", "vespo"),  # VESPO's kernel acts on the unnormalised W
 }
-# VESPO's floor on log W (TRL and the paper's code clamp W at 1e-8): φ there is ~e^λ·1e-8^k, i.e. 0.
-VESPO_LOG_W_MIN = math.log(1e-8)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -163,204 +176,6 @@ class LossConfig:
 
 
 # ----------------------------------------------------------------------------------------------
-# KL estimators.
-
-
-def kl_k1(d: Array) -> Array:
-    """k1 = -d, with d = ref_logp - logp (unbiased, high variance, can be negative)."""
-    return -d
-
-
-def kl_k2(d: Array) -> Array:
-    """k2 = d²/2 (biased, low variance, non-negative)."""
-    return 0.5 * jnp.square(d)
-
-
-def kl_k3(d: Array) -> Array:
-    """k3 = exp(d) - d - 1 (unbiased, low variance, non-negative); d is clamped by the caller."""
-    return jnp.expm1(d) - d
-
-
-KL_FNS: dict[str, Callable[[Array], Array]] = {"k1": kl_k1, "k2": kl_k2, "k3": kl_k3}
-
-
-# ----------------------------------------------------------------------------------------------
-# Shared pieces: masked reductions, log-ratios.
-
-
-def _masked_sum(x: Array, mask: Array, axis=None) -> Array:
-    return jnp.sum(jnp.where(mask, x, 0.0), axis=axis)
-
-
-def _masked_min_max_mean(x: Array, mask: Array) -> tuple[Min, Max, Mean]:
-    """Min, max and mean over masked entries, as metrics that merge; 1.0 for all three when empty."""
-    count = jnp.sum(mask)
-    lo = jnp.min(jnp.where(mask, x, jnp.inf))
-    hi = jnp.max(jnp.where(mask, x, -jnp.inf))
-    return Min(lo, count, 1.0), Max(hi, count, 1.0), Mean(_masked_sum(x, mask), count, 1.0)
-
-
-def masked_log_ratio(logp_BT: Array, old_logp_BT: Array, mask_BT: Array) -> Array:
-    """Δ = logp - old_logp, exactly 0 off the mask (whatever is stored there). Not clamped: each
-    ratio clamps the quantity it exponentiates (a token's Δ, or a sequence's mean Δ)."""
-    return jnp.where(mask_BT, logp_BT - old_logp_BT, 0.0)
-
-
-def clamp_log_ratio(x: Array, clamp: float) -> Array:
-    """x clamped to ±clamp: gradient 1 inside (boundary included), 0 outside."""
-    return jnp.where(jnp.abs(x) <= clamp, x, jnp.clip(jax.lax.stop_gradient(x), -clamp, clamp))
-
-
-def _mean_delta(delta_BT: Array, mask_BT: Array) -> Array:
-    return _masked_sum(delta_BT, mask_BT, axis=-1) / jnp.maximum(jnp.sum(mask_BT, axis=-1), 1.0)
-
-
-def sequence_log_ratio(delta_BT: Array, mask_BT: Array, clamp: float) -> Array:
-    """log s_i = Σ_t m Δ / max(1, Σ_t m): GSPO's length-normalised sequence log-ratio, [B]."""
-    return clamp_log_ratio(_mean_delta(delta_BT, mask_BT), clamp)
-
-
-def _with_token_gradients(log_s_B: Array, live_BT: Array, logp_BT: Array) -> Array:
-    """sg[log s_i] + logp_t - sg[logp_t]: the value of a sequence's log-ratio at each of its tokens, the
-    gradient of each live token's own logp (0 elsewhere), [B, T]."""
-    safe_logp_BT = jnp.where(live_BT, logp_BT, 0.0)
-    return jax.lax.stop_gradient(log_s_B)[:, None] + safe_logp_BT - jax.lax.stop_gradient(safe_logp_BT)
-
-
-def sequence_token_log_ratio(delta_BT: Array, logp_BT: Array, mask_BT: Array, clamp: float) -> Array:
-    """log s_{i,t} = sg[log s_i] + logp_t - sg[logp_t]: value of s_i, gradient of each token alone.
-
-    Where log s_i is clamped, the token gradients are cut too, as GSPO's are.
-    """
-    mean_B = _mean_delta(delta_BT, mask_BT)
-    inside_B1 = (jnp.abs(mean_B) <= clamp)[:, None]
-    return _with_token_gradients(clamp_log_ratio(mean_B, clamp), mask_BT & inside_B1, logp_BT)
-
-
-def _sum_clamped_delta(delta_BT: Array, mask_BT: Array, clamp: float) -> Array:
-    return _masked_sum(clamp_log_ratio(delta_BT, clamp), mask_BT, axis=-1)
-
-
-def sequence_sum_log_ratio(delta_BT: Array, mask_BT: Array, clamp: float) -> Array:
-    """log W_i = clamp(Σ_t m clamp(Δ_t)): the log of the product of the token ratios, [B].
-
-    GSPO's sequence ratio without its 1/|o| (VESPO's W, and the ablation VESPO's critique asks for);
-    each token's Δ is clamped as a token ratio's is, then the sum, as TRL's `vespo` loss does.
-    """
-    return clamp_log_ratio(_sum_clamped_delta(delta_BT, mask_BT, clamp), clamp)
-
-
-def sequence_sum_token_log_ratio(delta_BT: Array, logp_BT: Array, mask_BT: Array, clamp: float) -> Array:
-    """log W_{i,t} = sg[log W_i] + logp_t - sg[logp_t]: value of W_i, gradient of each token alone.
-
-    A token passes no gradient where log W_i, or its own Δ, is clamped (as in `sequence_sum`).
-    """
-    sum_B = _sum_clamped_delta(delta_BT, mask_BT, clamp)
-    live_BT = mask_BT & (jnp.abs(delta_BT) <= clamp) & (jnp.abs(sum_B) <= clamp)[:, None]
-    return _with_token_gradients(clamp_log_ratio(sum_B, clamp), live_BT, logp_BT)
-
-
-class ClippedLogRatio(NamedTuple):
-    log_ratio: Array  # per sequence [B]
-    low_BT: Array  # token clipped at the low side (bool)
-    high_BT: Array
-
-
-def geometric_log_ratio(
-    delta_BT: Array, mask_BT: Array, adv_B: Array, eps_low: float, eps_high: float, clamp: float
-) -> ClippedLogRatio:
-    """GMPO: clip each token's Δ in log space on the side sign(A) selects, then masked mean.
-
-    For A > 0 only Δ > eps_high is clipped, for A < 0 only Δ < -eps_low; a clipped token passes no
-    gradient.
-    """
-    pos_B1, neg_B1 = (adv_B > 0)[:, None], (adv_B < 0)[:, None]
-    high_BT = pos_B1 & (delta_BT > eps_high) & mask_BT
-    low_BT = neg_B1 & (delta_BT < -eps_low) & mask_BT
-    clipped_BT = jnp.where(high_BT, eps_high, jnp.where(low_BT, -eps_low, delta_BT))
-    return ClippedLogRatio(clamp_log_ratio(_mean_delta(clipped_BT, mask_BT), clamp), low_BT, high_BT)
-
-
-# ----------------------------------------------------------------------------------------------
-# Gates: (log-ratio x, advantage A) -> per-unit loss and which units were clipped. A "unit" is a
-# token ([B, T] inputs) or a sequence ([B] inputs); the gates are shape-agnostic.
-
-
-class Gated(NamedTuple):
-    loss: Array
-    low: Array  # clipped at the low side (A < 0, x < 1 - eps_low), bool
-    high: Array  # clipped at the high side (A > 0, x > 1 + eps_high), bool
-    dual: Array  # capped by the dual clip (A < 0, x > c), bool
-    weight: Array  # gradient weight relative to the plain policy gradient A·∇logp, for diagnostics
-
-
-def clip_gate(cfg: LossConfig, log_x: Array, adv: Array, logp: Array | None = None) -> Gated:
-    """PPO clip ℓ = -min(x·A, clip(x)·A), written as a select so a clipped unit's gradient is 0.
-
-    With dual clip, for A < 0 the loss is further capped at -c·A (also zero gradient there).
-    """
-    del logp
-    x = jnp.exp(log_x)
-    high = (adv > 0) & (x > 1.0 + cfg.eps_high)
-    low = (adv < 0) & (x < 1.0 - cfg.eps_low)
-    bound = jnp.where(high, 1.0 + cfg.eps_high, 1.0 - cfg.eps_low)
-    loss = jnp.where(high | low, -jax.lax.stop_gradient(bound) * adv, -x * adv)
-    dual = jnp.zeros_like(high)
-    if cfg.dual_clip_c is not None:
-        dual = (adv < 0) & (x > cfg.dual_clip_c)
-        loss = jnp.where(dual, -cfg.dual_clip_c * adv, loss)
-    weight = jnp.where(high | low | dual, 0.0, jax.lax.stop_gradient(x))
-    return Gated(loss, low, high, dual, weight)
-
-
-def cispo_gate(cfg: LossConfig, log_x: Array, adv: Array, logp: Array | None = None) -> Gated:
-    """CISPO: ℓ = -sg(clip(r, 1-eps_low, 1+eps_high))·A·logp; every token keeps its gradient."""
-    x = jnp.exp(log_x)
-    high, low = x > 1.0 + cfg.eps_high, x < 1.0 - cfg.eps_low
-    w = jax.lax.stop_gradient(jnp.clip(x, 1.0 - cfg.eps_low, 1.0 + cfg.eps_high))
-    return Gated(-w * adv * logp, low, high, jnp.zeros_like(high), w)
-
-
-def sapo_gate(cfg: LossConfig, log_x: Array, adv: Array, logp: Array | None = None) -> Gated:
-    """SAPO soft gate: ℓ = -A·(4/τ)·σ(τ(x - 1)), τ = τ_pos if A > 0 else τ_neg.
-
-    Its gradient is A·4σ(1-σ)·x·∇log x, equal to the policy gradient at x = 1 and decaying smoothly
-    away from it; nothing is hard-clipped, so the clip fractions stay 0.
-    """
-    del logp
-    x = jnp.exp(log_x)
-    tau = jnp.where(adv > 0, cfg.sapo_tau_pos, cfg.sapo_tau_neg)
-    sig = jax.nn.sigmoid(tau * (x - 1.0))
-    no = jnp.zeros(x.shape, bool)
-    weight = jax.lax.stop_gradient(4.0 * sig * (1.0 - sig) * x)
-    return Gated(-adv * (4.0 / tau) * sig, no, no, no, weight)
-
-
-def vespo_gate(cfg: LossConfig, log_x: Array, adv: Array, logp: Array | None = None) -> Gated:
-    """VESPO: ℓ = -sg(φ(x))·A·logp with the gamma kernel φ(x) = x^k·e^{λ(1-x)}, k, λ by sign(A) (A >= 0: pos).
-
-    φ(1) = 1 and φ is largest at x = k/λ, then decays as e^{-λx}: a smooth, asymmetric reshaping of the
-    sequence weight instead of a clip. Only φ's value is used (REINFORCE-style, like CISPO), computed in
-    log space with log x clamped to [log 1e-8, log_ratio_clamp] as TRL does; nothing is hard-clipped.
-    """
-    log_w = jnp.clip(jax.lax.stop_gradient(log_x), VESPO_LOG_W_MIN, cfg.log_ratio_clamp)
-    pos = adv >= 0
-    k = jnp.where(pos, cfg.vespo_k_pos, cfg.vespo_k_neg)
-    lam = jnp.where(pos, cfg.vespo_lambda_pos, cfg.vespo_lambda_neg)
-    phi = jnp.exp(lam + k * log_w - lam * jnp.exp(log_w))
-    no = jnp.zeros(phi.shape, bool)
-    return Gated(-phi * adv * logp, no, no, no, phi)
-
-
-GATE_FNS: dict[str, Callable[..., Gated]] = {
-    "clip": clip_gate,
-    "cispo": cispo_gate,
-    "sapo": sapo_gate,
-    "vespo": vespo_gate,
-}
-
-
-# ----------------------------------------------------------------------------------------------
 # Aggregation: numerator and denominator, so that global-batch denominators can be passed in.
 
 
@@ -382,7 +197,7 @@ def loss_denominator(cfg: LossConfig, mask_BT: Array) -> Array:
 
 def token_loss_numerator(aggregation: str, loss_BT: Array, mask_BT: Array, sum_norm_len) -> Array:
     """Numerator of a token-level aggregation ('sequence' means the per-sequence token mean)."""
-    per_seq_sum_B = _masked_sum(loss_BT, mask_BT, axis=-1)
+    per_seq_sum_B = masked_sum(loss_BT, mask_BT, axis=-1)
     if aggregation == "token_mean":
         return jnp.sum(per_seq_sum_B)
     if aggregation == "seq_mean_token_sum_norm":
@@ -420,6 +235,25 @@ def _prepare(logp, old_logp, advantages, mask, ref_logp, cfg: LossConfig):
     return f32(logp), f32(old_logp), f32(advantages), mask > 0, f32(ref_logp)
 
 
+class LossWeights(NamedTuple):
+    """Weights and masks on a loss from outside it, each optional (None: none); no gradient flows into them.
+
+    is_weight: a sampler–trainer importance weight (`mismatch.correction`) multiplying each token's
+      ([B, T]) or sequence's ([B]) policy loss; sequence-level ratios take [B] only. The VESPO gate
+      instead folds it into W in log space (W·Π_t w_t), as TRL and the paper do.
+    keep: bool, the tokens ([B, T]) or sequences ([B]) whose policy loss counts (the mismatch masks:
+      IcePop, geometric, off-policy); the rest are zeroed inside the sum, the denominator unchanged.
+      Sequence-level ratios take [B] only.
+    router_shift: RSPO's weight γ̃ ([B, T]; `router_shift.shift_weight`) multiplying each token's ratio
+      before the ratio is clipped or aggregated: Δ ← Δ + log γ̃. The diagnostics `ratio_*`, `approx_kl`
+      and the flipped split stay those of π_θ / π_old.
+    """
+
+    is_weight: Array | None = None
+    keep: Array | None = None
+    router_shift: Array | None = None
+
+
 def policy_loss(
     cfg: LossConfig,
     logp: Array,
@@ -429,9 +263,7 @@ def policy_loss(
     ref_logp: Array | None = None,
     *,
     denominator: Array | float | None = None,
-    is_weight: Array | None = None,
-    keep: Array | None = None,
-    router_shift: Array | None = None,
+    weights: LossWeights | None = None,
     flipped: Array | None = None,
 ) -> tuple[Array, dict[str, Metric]]:
     """The configured policy loss and its diagnostics; pure and jittable (cfg is static).
@@ -443,70 +275,58 @@ def policy_loss(
       ref_logp: [B, T] under π_ref, required when cfg.kl_coef > 0.
       denominator: the aggregation's denominator; default `loss_denominator(cfg, mask)`. Pass the
         global batch's value when this call sees only a minibatch or a shard.
-      is_weight: a sampler–trainer importance weight (`mismatch.correction`, no gradient) multiplying
-        each token's ([B, T]) or sequence's ([B]) policy loss; sequence-level ratios take [B] only.
-        The VESPO gate instead folds it into W in log space (W·Π_t w_t), as TRL and the paper do.
-      keep: bool, the tokens ([B, T]) or sequences ([B]) whose policy loss counts (the mismatch masks:
-        IcePop, geometric, off-policy); the rest are zeroed inside the sum, the denominator unchanged.
-        Sequence-level ratios take [B] only.
-      router_shift: RSPO's weight γ̃ ([B, T], no gradient; `router_shift.shift_weight`) multiplying each
-        token's ratio before the ratio is clipped or aggregated: Δ ← Δ + log γ̃. The diagnostics
-        `ratio_*`, `approx_kl` and the flipped split stay those of π_θ / π_old.
+      weights: the sampler–trainer correction, the mismatch masks and RSPO's router-shift weight
+        (`LossWeights`); None: none of them.
       flipped: bool [B, T], tokens whose expert routing changed between π_old and π_θ; adds
-        `split_diagnostics` (clip fraction and |log r| of flipped vs unflipped tokens).
+        `loss_diagnostics.split_diagnostics` (clip fraction and |log r| of flipped vs unflipped tokens).
     Returns:
       (loss, metrics): loss = (Σ policy terms + kl_coef·Σ KL terms) / denominator. `metrics` are
       typed (`gspo_jax.metrics`): the loss terms are `Sum`s (pieces over a global denominator add),
       the diagnostics `Mean`s of (sum, count) or `Min` / `Max`; `metrics.compute` gives values.
     """
+    weights = LossWeights() if weights is None else weights
     logp_BT, old_BT, adv, mask_BT, ref_BT = _prepare(logp, old_logp, advantages, mask, ref_logp, cfg)
     if denominator is None:
         denominator = loss_denominator(cfg, mask_BT)
     denom = jnp.maximum(jnp.asarray(denominator, jnp.float32), 1.0)
-    clamp = cfg.log_ratio_clamp
-    delta_BT = masked_log_ratio(logp_BT, old_BT, mask_BT)
-    raw_delta_BT = delta_BT  # π_θ / π_old, for the diagnostics
-    if router_shift is not None:  # RSPO: the ratio × γ̃, before any clip or aggregation
-        log_gamma_BT = jnp.log(_stop_weight(router_shift, mask_BT.shape, "router_shift"))
-        delta_BT = delta_BT + jnp.where(mask_BT, log_gamma_BT, 0.0)
+    raw_delta_BT = masked_log_ratio(logp_BT, old_BT, mask_BT)  # π_θ / π_old, for the diagnostics
+    delta_BT = _router_shifted(raw_delta_BT, weights.router_shift, mask_BT)
     seq_ok_B = sequence_valid(mask_BT)
     if cfg.sequence_level:
-        p = _sequence_policy(cfg, delta_BT, mask_BT, adv, seq_ok_B, is_weight, keep)
+        p = _sequence_policy(cfg, delta_BT, mask_BT, adv, seq_ok_B, weights)
     else:
-        p = _token_policy(cfg, delta_BT, logp_BT, mask_BT, adv, is_weight, keep)
-
-    metrics: dict[str, Metric] = {}
-    kl_num = jnp.zeros((), jnp.float32)
-    if cfg.kl_coef > 0:
-        d_BT = jnp.where(mask_BT, clamp_log_ratio(ref_BT - logp_BT, clamp), 0.0)
-        kl_BT = KL_FNS[cfg.kl_estimator](d_BT)
-        kl_agg = "seq_mean_token_mean" if cfg.aggregation == "sequence" else cfg.aggregation
-        kl_num = token_loss_numerator(kl_agg, kl_BT, mask_BT, cfg.sum_norm_len)
-        metrics["kl_ref"] = Mean(_masked_sum(kl_BT, mask_BT), jnp.sum(mask_BT))
+        p = _token_policy(cfg, delta_BT, logp_BT, mask_BT, adv, weights)
+    kl_num, metrics = _kl_term(cfg, logp_BT, ref_BT, mask_BT)
 
     policy = p.numerator / denom
     kl_term = cfg.kl_coef * kl_num / denom
     loss = policy + kl_term
-    metrics.update(
-        _diagnostics(
-            clamp_log_ratio(raw_delta_BT, clamp),
-            p.log_s_B,
-            adv,
-            mask_BT,
-            seq_ok_B,
-            p.low_BT,
-            p.high_BT,
-            p.dual_BT,
-            p.seq_clipped_B,
-            p.weight_BT,
-        )
-    )
+    ratio_delta_BT = clamp_log_ratio(raw_delta_BT, cfg.log_ratio_clamp)
+    metrics.update(diagnostics(DiagnosticInputs(ratio_delta_BT, adv, mask_BT, seq_ok_B, p)))
     metrics.update(loss=Sum(loss), policy_loss=Sum(policy), kl_loss=Sum(kl_term), denominator=Mean(denom, 1))
     if flipped is not None:
-        metrics.update(
-            split_diagnostics(clamp_log_ratio(raw_delta_BT, clamp), p.low_BT | p.high_BT | p.dual_BT, mask_BT, flipped)
-        )
+        metrics.update(split_diagnostics(ratio_delta_BT, p.low_BT | p.high_BT | p.dual_BT, mask_BT, flipped))
     return loss, metrics
+
+
+def _router_shifted(delta_BT: Array, router_shift: Array | None, mask_BT: Array) -> Array:
+    """RSPO: the ratio × γ̃ (Δ + log γ̃ on completion tokens), before any clip or aggregation."""
+    if router_shift is None:
+        return delta_BT
+    log_gamma_BT = jnp.log(_stop_weight(router_shift, mask_BT.shape, "router_shift"))
+    return delta_BT + jnp.where(mask_BT, log_gamma_BT, 0.0)
+
+
+def _kl_term(cfg: LossConfig, logp_BT: Array, ref_BT: Array | None, mask_BT: Array) -> tuple[Array, dict[str, Metric]]:
+    """The KL penalty's numerator, aggregated as the policy's (a sequence-level loss's: per sequence,
+    the token mean), and its metric `kl_ref`; 0 and no metric when cfg.kl_coef is 0."""
+    if not cfg.kl_coef > 0:
+        return jnp.zeros((), jnp.float32), {}
+    d_BT = jnp.where(mask_BT, clamp_log_ratio(ref_BT - logp_BT, cfg.log_ratio_clamp), 0.0)
+    kl_BT = KL_FNS[cfg.kl_estimator](d_BT)
+    kl_agg = "seq_mean_token_mean" if cfg.aggregation == "sequence" else cfg.aggregation
+    kl_num = token_loss_numerator(kl_agg, kl_BT, mask_BT, cfg.sum_norm_len)
+    return kl_num, {"kl_ref": Mean(masked_sum(kl_BT, mask_BT), jnp.sum(mask_BT))}
 
 
 class PolicyTerms(NamedTuple):
@@ -522,11 +342,11 @@ class PolicyTerms(NamedTuple):
 
 
 def _sequence_policy(
-    cfg: LossConfig, delta_BT: Array, mask_BT: Array, adv: Array, seq_ok_B: Array, is_weight, keep
+    cfg: LossConfig, delta_BT: Array, mask_BT: Array, adv: Array, seq_ok_B: Array, weights: LossWeights
 ) -> PolicyTerms:
     """Sequence-level ratios (sequence, sequence_sum, geometric): one ratio and one loss per sequence,
     summed over the sequences that have a completion token; `is_weight` and `keep` are per sequence."""
-    clamp = cfg.log_ratio_clamp
+    clamp, is_weight, keep = cfg.log_ratio_clamp, weights.is_weight, weights.keep
     if cfg.ratio == "geometric":
         lr = geometric_log_ratio(delta_BT, mask_BT, adv, cfg.eps_low, cfg.eps_high, clamp)
         x_B = jnp.exp(lr.log_ratio)
@@ -556,11 +376,11 @@ def _sequence_policy(
 
 
 def _token_policy(
-    cfg: LossConfig, delta_BT: Array, logp_BT: Array, mask_BT: Array, adv: Array, is_weight, keep
+    cfg: LossConfig, delta_BT: Array, logp_BT: Array, mask_BT: Array, adv: Array, weights: LossWeights
 ) -> PolicyTerms:
     """Token-level ratios (token, sequence_token, sequence_sum_token): a loss per token, aggregated as
     `cfg.aggregation` says; `is_weight` and `keep` per token, or per sequence broadcast over its tokens."""
-    clamp = cfg.log_ratio_clamp
+    clamp, is_weight, keep = cfg.log_ratio_clamp, weights.is_weight, weights.keep
     adv_BT = jnp.broadcast_to(adv[:, None] if adv.ndim == 1 else adv, mask_BT.shape)
     if cfg.ratio == "sequence_sum_token":
         log_x_BT = sequence_sum_token_log_ratio(delta_BT, logp_BT, mask_BT, clamp)
@@ -586,21 +406,6 @@ def _token_policy(
         loss_BT = jnp.where(_keep(k[:, None] if k.ndim == 1 else k, mask_BT.shape), loss_BT, 0.0)
     policy_num = token_loss_numerator(cfg.aggregation, loss_BT, mask_BT, cfg.sum_norm_len)
     return PolicyTerms(policy_num, log_s_B, low_BT, high_BT, dual_BT, seq_clipped_B, g.weight)
-
-
-def split_diagnostics(delta_BT: Array, clipped_BT: Array, mask_BT: Array, flipped_BT: Array) -> dict[str, Metric]:
-    """Clip fraction and mean |log r| over the tokens in `flipped_BT` and over the rest, and the
-    flipped share of tokens: does clipping land on the tokens whose routing moved? A side with no
-    token reports NaN (undefined, not 0)."""
-    sg = jax.lax.stop_gradient
-    delta_BT, mask_BT = sg(delta_BT), mask_BT.astype(bool)
-    out: dict[str, Metric] = {}
-    for name, side_BT in (("flipped", flipped_BT & mask_BT), ("unflipped", ~flipped_BT & mask_BT)):
-        n = jnp.sum(side_BT).astype(jnp.float32)
-        out[f"clip_frac_{name}"] = Mean(jnp.sum(clipped_BT & side_BT).astype(jnp.float32), n, math.nan)
-        out[f"abs_log_ratio_{name}"] = Mean(_masked_sum(jnp.abs(delta_BT), side_BT), n, math.nan)
-    out["flipped_frac"] = Mean(jnp.sum(flipped_BT & mask_BT).astype(jnp.float32), jnp.sum(mask_BT).astype(jnp.float32))
-    return out
 
 
 def _fits(x: Array, shape: tuple[int, ...], name: str) -> Array:
@@ -629,36 +434,4 @@ def _log_is_weight_sum(is_weight: Array, mask_BT: Array, clamp: float) -> Array:
     if w.ndim == 1:
         return jnp.clip(jnp.log(_is_weight(w, mask_BT.shape[:1])), VESPO_LOG_W_MIN, clamp)
     log_w_BT = jnp.clip(jnp.log(_is_weight(w, mask_BT.shape)), VESPO_LOG_W_MIN, clamp)
-    return _masked_sum(log_w_BT, mask_BT, axis=-1)
-
-
-def _diagnostics(
-    delta_BT, log_s_B, adv, mask_BT, seq_ok_B, low_BT, high_BT, dual_BT, seq_clipped_B, weight_BT
-) -> dict[str, Metric]:
-    """Everything under "Diagnostics" in docs/ALGORITHMS.md, as float32 metrics (no gradient)."""
-    sg = jax.lax.stop_gradient
-    delta_BT, log_s_B, weight_BT = sg(delta_BT), sg(log_s_B), sg(weight_BT)
-    n_tok = jnp.sum(mask_BT).astype(jnp.float32)
-    n_seq = jnp.sum(seq_ok_B).astype(jnp.float32)
-    frac = lambda b: Mean(jnp.sum(b).astype(jnp.float32), n_tok)
-    r_min, r_max, r_mean = _masked_min_max_mean(jnp.exp(delta_BT), mask_BT)
-    s_min, s_max, s_mean = _masked_min_max_mean(jnp.exp(log_s_B), seq_ok_B)
-    zero_adv_B = (adv == 0) if adv.ndim == 1 else jnp.all((adv == 0) | ~mask_BT, axis=-1)
-    return {
-        "clip_frac": frac(low_BT | high_BT | dual_BT),
-        "clip_frac_low": frac(low_BT),
-        "clip_frac_high": frac(high_BT),
-        "dual_clip_frac": frac(dual_BT),
-        "seq_clip_frac": Mean(jnp.sum(seq_clipped_B & seq_ok_B).astype(jnp.float32), n_seq),
-        "ratio_mean": r_mean,
-        "ratio_min": r_min,
-        "ratio_max": r_max,
-        "seq_ratio_mean": s_mean,
-        "seq_ratio_min": s_min,
-        "seq_ratio_max": s_max,
-        "approx_kl": Mean(_masked_sum(kl_k3(delta_BT), mask_BT), n_tok),
-        "grad_weight_mean": Mean(_masked_sum(weight_BT, mask_BT), n_tok),
-        "zero_adv_frac": Mean(jnp.sum(zero_adv_B & seq_ok_B).astype(jnp.float32), n_seq),
-        "num_tokens": Sum(n_tok),
-        "num_seqs": Sum(n_seq),
-    }
+    return masked_sum(log_w_BT, mask_BT, axis=-1)

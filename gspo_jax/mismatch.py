@@ -16,8 +16,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gspo_jax.losses import CORRECTIONS, IS_LEVELS, LossConfig, clamp_log_ratio, kl_k3, sequence_valid
+from gspo_jax.losses import CORRECTIONS, IS_LEVELS, LossConfig, sequence_valid
 from gspo_jax.metrics import Mean, Metric
+from gspo_jax.ratios import clamp_log_ratio, kl_k3
 from gspo_jax.routing import routing_drift
 from gspo_jax.validation import check_choice
 

@@ -16,9 +16,9 @@ from absl.testing import parameterized
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gspo_jax import losses, metrics
+from gspo_jax import metrics, ratios
 from gspo_jax.algorithms import ALGORITHMS
-from gspo_jax.losses import LossConfig, loss_denominator, policy_loss
+from gspo_jax.losses import LossConfig, LossWeights, loss_denominator, policy_loss
 
 PRESETS = {name: a.loss for name, a in ALGORITHMS.items()}
 
@@ -413,10 +413,10 @@ class TestMasksAndEdgeCases(chex.TestCase):
 def test_kl_estimators_match_their_formulas():
     d = jnp.asarray([-2.0, -0.5, 0.0, 0.5, 2.0])
     dn = np.asarray(d, np.float64)
-    np.testing.assert_allclose(losses.kl_k1(d), -dn)
-    np.testing.assert_allclose(losses.kl_k2(d), dn**2 / 2)
-    np.testing.assert_allclose(losses.kl_k3(d), np.exp(dn) - dn - 1, rtol=1e-6)
-    assert np.all(np.asarray(losses.kl_k3(d)) >= 0)
+    np.testing.assert_allclose(ratios.kl_k1(d), -dn)
+    np.testing.assert_allclose(ratios.kl_k2(d), dn**2 / 2)
+    np.testing.assert_allclose(ratios.kl_k3(d), np.exp(dn) - dn - 1, rtol=1e-6)
+    assert np.all(np.asarray(ratios.kl_k3(d)) >= 0)
 
 
 def test_policy_loss_compiles_once_for_new_values(compile_counter):
@@ -519,7 +519,7 @@ class TestVespoAndSequenceSum(chex.TestCase):
         cfg = PRESETS["vespo"]
         logp, old = _pad_to_6x12(TRL_LOGP, -3.0), _pad_to_6x12(TRL_LOGP - TRL_DELTA, 5.0)
         adv, mask = _pad_to_6x12(TRL_ADV, 0.7), _pad_to_6x12(TRL_MASK, 0.0)
-        kw = dict(is_weight=_pad_to_6x12(TRL_IS_RATIO, 1.0)) if case == "is_ratio" else {}
+        kw = dict(weights=LossWeights(is_weight=_pad_to_6x12(TRL_IS_RATIO, 1.0))) if case == "is_ratio" else {}
         want_loss, phi = TRL_EXPECTED[case]
         loss, _, g = run_with_grad(self.variant, cfg, logp, old, adv, mask, **kw)
         assert float(loss) == pytest.approx(want_loss, rel=1e-5)
@@ -558,9 +558,9 @@ class TestVespoAndSequenceSum(chex.TestCase):
         w_BT = jnp.asarray(np.random.default_rng(0).uniform(0.6, 1.6, mask.shape), jnp.float32)
         w_B = jnp.exp(jnp.sum(jnp.where(mask > 0, jnp.log(w_BT), 0.0), axis=-1))  # the same weight, per sequence
         plain, _ = run(self.variant, cfg, logp, old, adv, mask)
-        ones, _ = run(self.variant, cfg, logp, old, adv, mask, is_weight=jnp.ones_like(mask))
-        tok, _ = run(self.variant, cfg, logp, old, adv, mask, is_weight=w_BT)
-        seq, _ = run(self.variant, cfg, logp, old, adv, mask, is_weight=w_B)
+        ones, _ = run(self.variant, cfg, logp, old, adv, mask, weights=LossWeights(is_weight=jnp.ones_like(mask)))
+        tok, _ = run(self.variant, cfg, logp, old, adv, mask, weights=LossWeights(is_weight=w_BT))
+        seq, _ = run(self.variant, cfg, logp, old, adv, mask, weights=LossWeights(is_weight=w_B))
         assert float(ones) == pytest.approx(float(plain), rel=1e-6)
         assert float(tok) == pytest.approx(float(seq), rel=1e-5) and abs(float(tok) - float(plain)) > 1e-3
 

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from gspo_jax.losses import LossConfig, policy_loss
+from gspo_jax.losses import LossConfig, LossWeights, policy_loss
 from gspo_jax.mismatch import (
     correction,
     corrections,
@@ -103,9 +103,10 @@ def test_equal_log_probs_make_every_correction_the_identity(jit, kind, level):
         objectives.append(LossConfig(ratio="sequence", aggregation="sequence", is_correction=kind, is_level=level))
     new = jnp.asarray(logp + 0.1 * rng.normal(size=logp.shape).astype(np.float32))
     adv = rng.normal(size=3).astype(np.float32)
+    weights = LossWeights(is_weight=w)
     for cfg in objectives:
         plain = jax.value_and_grad(lambda x, cfg=cfg: policy_loss(cfg, x, logp, adv, mask)[0])(new)
-        fixed = jax.value_and_grad(lambda x, cfg=cfg: policy_loss(cfg, x, logp, adv, keep, is_weight=w)[0])(new)
+        fixed = jax.value_and_grad(lambda x, cfg=cfg: policy_loss(cfg, x, logp, adv, keep, weights=weights)[0])(new)
         np.testing.assert_allclose(fixed[0], plain[0], rtol=1e-6)
         np.testing.assert_allclose(fixed[1], plain[1], rtol=1e-6)
 
@@ -151,7 +152,7 @@ def test_corrections_over_random_masks(seed):
         assert not np.any(keep & ~mask)
     adv = rng.normal(size=B).astype(np.float32)
     cfg = LossConfig()
-    loss = lambda x, w=None: policy_loss(cfg, x, old, adv, mask, is_weight=w)[1]["policy_loss"].total
+    loss = lambda x, w=None: policy_loss(cfg, x, old, adv, mask, weights=LossWeights(w))[1]["policy_loss"].total
     new = jnp.asarray(old + 0.05)
     for w in (np.full((B, T), 0.7, np.float32), np.full((B,), 0.7, np.float32)):
         np.testing.assert_allclose(loss(new, w), 0.7 * loss(new), rtol=1e-6)
@@ -167,7 +168,8 @@ def test_bad_correction_settings_are_refused_naming_the_field():
         LossConfig(ratio="sequence", aggregation="sequence", is_correction="tis", is_level="token")
     with pytest.raises(ValueError, match="is_weight"):
         gspo = LossConfig(ratio="sequence", aggregation="sequence")
-        policy_loss(gspo, np.zeros((2, 3)), np.zeros((2, 3)), np.ones(2), np.ones((2, 3)), is_weight=np.ones((2, 3)))
+        token_weight = LossWeights(is_weight=np.ones((2, 3)))
+        policy_loss(gspo, np.zeros((2, 3)), np.zeros((2, 3)), np.ones(2), np.ones((2, 3)), weights=token_weight)
 
 
 # ------------------------------------------------------------------ masks: IcePop, geometric, off-policy
@@ -239,22 +241,22 @@ def test_a_mask_zeroes_its_loss_inside_an_unchanged_denominator():
     old, mask, adv = np.zeros((2, 2), np.float32), np.ones((2, 2), bool), np.array([1.0, -1.0], np.float32)
     cfg = LossConfig()
     keep = np.array([[True, False], [False, False]])
-    loss, m = policy_loss(cfg, logp, old, adv, mask, keep=keep)
+    loss, m = policy_loss(cfg, logp, old, adv, mask, weights=LossWeights(keep=keep))
     assert float(loss) == pytest.approx(-1.1 / 2 / 2, rel=1e-6)
-    g = jax.grad(lambda x: policy_loss(cfg, x, old, adv, mask, keep=keep)[0])(jnp.asarray(logp))
+    g = jax.grad(lambda x: policy_loss(cfg, x, old, adv, mask, weights=LossWeights(keep=keep))[0])(jnp.asarray(logp))
     np.testing.assert_allclose(g, [[-1.1 / 4, 0.0], [0.0, 0.0]], rtol=1e-6)
     grpo = LossConfig(kl_coef=0.5)
     ref = np.full((2, 2), -0.3, np.float32)
-    masked = policy_loss(grpo, logp, old, adv, mask, ref, keep=np.zeros(2, bool))[1]
+    masked = policy_loss(grpo, logp, old, adv, mask, ref, weights=LossWeights(keep=np.zeros(2, bool)))[1]
     assert float(masked["policy_loss"].total) == 0.0
     assert float(masked["kl_loss"].total) == pytest.approx(
         float(policy_loss(grpo, logp, old, adv, mask, ref)[1]["kl_loss"].total)
     )
     gspo = LossConfig(ratio="sequence", aggregation="sequence")  # one loss per sequence: [B] masks only
-    seq = policy_loss(gspo, logp, old, adv, mask, keep=np.array([False, True]))[0]
+    seq = policy_loss(gspo, logp, old, adv, mask, weights=LossWeights(keep=np.array([False, True])))[0]
     assert float(seq) == pytest.approx(float(policy_loss(gspo, logp[1:], old[1:], adv[1:], mask[1:])[0]) / 2, rel=1e-6)
     with pytest.raises(ValueError, match="keep"):
-        policy_loss(gspo, logp, old, adv, mask, keep=keep)
+        policy_loss(gspo, logp, old, adv, mask, weights=LossWeights(keep=keep))
 
 
 def test_icepop_with_tis_is_the_papers_weight():
@@ -265,7 +267,7 @@ def test_icepop_with_tis_is_the_papers_weight():
     logp = jnp.asarray(old + 0.05)
     cfg = LossConfig(aggregation="token_mean", icepop=True, is_correction="tis", is_cap=5.0)
     c = corrections(cfg, jnp.asarray(old), jnp.asarray(sampler), jnp.asarray(mask))
-    fn = lambda x: policy_loss(cfg, x, old, np.ones(1), c.mask_BT, is_weight=c.weight, keep=c.keep)[0]
+    fn = lambda x: policy_loss(cfg, x, old, np.ones(1), c.mask_BT, weights=LossWeights(c.weight, c.keep))[0]
     g = jax.grad(fn)(logp)
     r = math.exp(0.05)  # every ratio, unclipped (A > 0, 1.05 < 1.2)
     np.testing.assert_allclose(g, [[0.0, -0.8 * r / 4, -3.0 * r / 4, 0.0]], rtol=1e-5)

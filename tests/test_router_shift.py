@@ -11,7 +11,7 @@ from test_train import Setup, minibatch, small, values
 
 from gspo_jax import metrics
 from gspo_jax.algorithms import ALGORITHMS
-from gspo_jax.losses import LossConfig, policy_loss
+from gspo_jax.losses import LossConfig, LossWeights, policy_loss
 from gspo_jax.mismatch import and_keep, geometric_mask, icepop_mask, off_policy_mask
 from gspo_jax.router_shift import expert_logprobs, shift_weight
 
@@ -69,7 +69,8 @@ def one_sequence(ratios, gammas):
 
 
 def value_and_grad(cfg, logp, old, adv, mask, gamma=None):
-    fn = lambda x: policy_loss(cfg, x, old, adv, mask, old - 0.1, router_shift=gamma)  # ref: only with β > 0
+    weights = LossWeights(router_shift=gamma)
+    fn = lambda x: policy_loss(cfg, x, old, adv, mask, old - 0.1, weights=weights)  # ref: only with β > 0
     (loss, m), g = jax.value_and_grad(fn, has_aux=True)(logp)
     return float(loss), np.asarray(g[0]), metrics.compute(m)
 
@@ -174,6 +175,7 @@ def test_the_trainer_applies_the_router_shift_and_the_masks():
     keep = and_keep(and_keep(keep_tok, keep_seq), keep_opsm)
     gamma = jnp.full(batch.loss_mask.shape, 0.8)
     args = (batch.old_logp, batch.advantages, batch.loss_mask, batch.ref_logp)
-    want = policy_loss(s.built.loss, logp, *args, keep=keep, router_shift=gamma)[0]
+    want = policy_loss(s.built.loss, logp, *args, weights=LossWeights(keep=keep, router_shift=gamma))[0]
     assert m["loss"] == pytest.approx(float(want), rel=1e-4)
-    assert float(want) != pytest.approx(float(policy_loss(s.built.loss, logp, *args, router_shift=gamma)[0]), rel=1e-3)
+    unmasked = policy_loss(s.built.loss, logp, *args, weights=LossWeights(router_shift=gamma))[0]
+    assert float(want) != pytest.approx(float(unmasked), rel=1e-3)
