@@ -4,8 +4,8 @@ Router-Shift Policy Optimization (Zhang et al., 2025, arXiv 2510.23027, "Towards
 Reinforcement Learning for Mixture-of-Experts") rescales each token's importance ratio by
 γ̃ = sg[max(exp(−Δ), γ_min)], where Δ is the mean over MoE layers and over π_old's K experts of
 |log r_θ(e) − log r_old(e)|, r the router's softmax probability. The rescaled ratio then goes through
-the objective's clipping and aggregation (`losses.policy_loss(router_shift=...)`). Formula and
-choices: "Router-shift ratio (RSPO)" in docs/ALGORITHMS.md.
+the objective's clipping and aggregation (`losses.policy_loss(weights=LossWeights(router_shift=...))`).
+Formula and choices: "Router-shift ratio (RSPO)" in docs/ALGORITHMS.md.
 """
 
 from __future__ import annotations
