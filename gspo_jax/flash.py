@@ -1,7 +1,7 @@
 """Fused (flash) attention for a whole chunk without a cache — the train step, scoring, a prefill — on
 a GPU: cuDNN's kernel through `jax.nn.dot_product_attention`, never the [B, H, T, S] scores.
 
-The model's mask (`model.attention_mask`) lets a query see the real keys (position >= 0) at or
+The model's mask (`layers.attention_mask`) lets a query see the real keys (position >= 0) at or
 before it. With positions that increase with the slot over a row's real tokens (what
 `model.positions_from_mask` gives), that is causal attention among the real tokens alone, wherever
 they sit (left-padded prompts, completions padded after EOS). So each row's real tokens are moved to

@@ -1,11 +1,12 @@
 """Decoder-only transformer policy (Flax NNX), dense or sparse-MoE feed-forward per layer.
 
 Qwen3-MoE / Mixtral shaped (`model_config.ModelConfig`): RMSNorm, RoPE (HF rotate_half), grouped-query
-attention with optional per-head q/k RMSNorm, SwiGLU FFN or `moe.MoE`, KV cache. Each run of consecutive
-layers of one kind is a `Stack`: parameters stacked on a leading "layers" axis and run by `lax.scan`,
-so trace and compile time do not grow with depth (`hf.stacked_to_layers` gives the per-layer view HF
-checkpoints use). Used functionally: `graphdef, state = nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))`
-once, then the pure `apply(graphdef, state, ...)`, `logprobs` or `score` under `jax.jit`.
+attention with optional per-head q/k RMSNorm, SwiGLU FFN (those: `gspo_jax/layers.py`) or `moe.MoE`, KV
+cache. Each run of consecutive layers of one kind is a `Stack`: parameters stacked on a leading "layers"
+axis and run by `lax.scan`, so trace and compile time do not grow with depth (`hf.stacked_to_layers`
+gives the per-layer view HF checkpoints use). Used functionally: `graphdef, state =
+nnx.split(Transformer(cfg, rngs=nnx.Rngs(0)))` once, then the pure `apply(graphdef, state, ...)`,
+`logprobs` or `score` under `jax.jit`.
 
 Positions are int32 [B, T]; a negative position marks a padding token: nothing attends
 to it and its own output is finite but meaningless. Router choices come back batch-first,
@@ -24,17 +25,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.experimental.layout import Layout, with_layout_constraint
 
-from gspo_jax import compiles, flash, moe, router_shift, sharding
+from gspo_jax import compiles, moe, router_shift, sharding
+from gspo_jax.layers import MLP, Attention, RMSNorm, fan_in, rope_table, write_kv
 from gspo_jax.logprobs import sequence_logprobs_from_hidden
 from gspo_jax.model_config import DTYPES, REMAT_POLICIES, ModelConfig
 
 # The residual stream's logical axes: sequences split over every data axis (`sharding.DATA_AXES`),
 # features whole, between layers and at the LM head.
 ACTIVATION = ("batch", None, None)
-# Large finite negative for masked attention scores: a fully masked row stays finite.
-MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
 # ---------------------------------------------------------------------------- pytrees
@@ -87,164 +86,34 @@ def positions_from_mask(mask_BT: jax.Array) -> jax.Array:
     return jnp.where(mask_BT, jnp.cumsum(mask_BT, axis=-1) - 1, -1).astype(jnp.int32)
 
 
-# ---------------------------------------------------------------------------- layers
+# ---------------------------------------------------------------------------- KV cache bookkeeping
 
 
-def _fan_in(in_axis, out_axis):
-    return nnx.initializers.variance_scaling(1.0, "fan_in", "truncated_normal", in_axis=in_axis, out_axis=out_axis)
+def _cache_slots(cache: KVCache, positions_BT: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """(key_pos_BS, index): every slot's position once a chunk at `positions_BT` is written at the
+    cache's next slot, and that slot."""
+    index = cache.index.astype(jnp.int32)
+    key_pos_BS = jax.lax.dynamic_update_slice(cache.positions, positions_BT, (jnp.zeros((), jnp.int32), index))
+    return key_pos_BS, index
 
 
-@jax.custom_vjp
-def row_major_cotangent(x: jax.Array) -> jax.Array:
-    """The identity, whose cotangent XLA:CPU must lay out row-major. Put on a projection's output: XLA
-    otherwise fuses the elementwise backward of what follows (a norm, SwiGLU) with the transpose the
-    weight gradient's matmul wants, a strided loop over every operand (6 ms on a [1152, 512] array);
-    kept apart, that backward runs in order and the transpose copies one array. Other backends: the
-    identity, cotangent included."""
-    return x
+def _layer_caches(cache: KVCache, key_pos_BS: jax.Array, index: jax.Array, first: int, n: int) -> list:
+    """The caches layers first..first+n-1 attend over: (k_BJSW, v_BJSW, key_pos_BS, index) each (`Attention`)."""
+    return [(cache.k[i], cache.v[i], key_pos_BS, index) for i in range(first, first + n)]
 
 
-def _row_major_fwd(x):
-    return x, None
+def _filled_caches(cache: KVCache, kvs: list, first: int, index: jax.Array) -> list:
+    """A chunk's keys/values [B, T, J, W] of layers first.. (a prefill's `return_kv`) written into each
+    layer's cache at `index`: its new (k_BJSW, v_BJSW)."""
+    return [(write_kv(cache.k[i], k, index), write_kv(cache.v[i], v, index)) for i, (k, v) in enumerate(kvs, first)]
 
 
-def _row_major_bwd(_, ct):
-    row_major = Layout(tuple(range(ct.ndim)))
-    return (jax.lax.platform_dependent(ct, cpu=lambda c: with_layout_constraint(c, row_major), default=lambda c: c),)
+def _advanced_cache(kvs: list, key_pos_BS: jax.Array, index: jax.Array, T: int) -> KVCache:
+    """The cache after a chunk of T tokens: every layer's new (k, v), the slots' positions, the next slot."""
+    return KVCache(k=tuple(k for k, _ in kvs), v=tuple(v for _, v in kvs), positions=key_pos_BS, index=index + T)
 
 
-row_major_cotangent.defvjp(_row_major_fwd, _row_major_bwd)
-
-
-class RMSNorm(nnx.Module):
-    """x / rms(x) * scale, normalised in float32 (HF Qwen3/Mixtral RMSNorm)."""
-
-    def __init__(self, dim: int, eps: float, *, param_dtype, rngs: nnx.Rngs):
-        self.eps = eps
-        self.scale = sharding.param(rngs, nnx.initializers.ones, (dim,), ("norm",), param_dtype)
-
-    def __call__(self, x):
-        x32 = x.astype(jnp.float32)
-        y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return y.astype(x.dtype) * self.scale[...].astype(x.dtype)
-
-
-def rope_table(positions_BT: jax.Array, head_dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """(cos, sin) [B, T, 1, W] of the rotary angles, HF rotate_half layout; negative (padding)
-    positions rotate as position 0. Computed once per forward and shared by every layer's q and k."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
-    angles_BTw = jnp.maximum(positions_BT, 0).astype(jnp.float32)[..., None] * inv_freq
-    angles_BTW = jnp.concatenate([angles_BTw, angles_BTw], axis=-1)[:, :, None, :]
-    return jnp.cos(angles_BTW), jnp.sin(angles_BTW)
-
-
-def rotate(x_BTHW: jax.Array, cos_sin: tuple[jax.Array, jax.Array]) -> jax.Array:
-    """Applies a `rope_table` to queries or keys."""
-    W = x_BTHW.shape[-1]
-    cos, sin = (c.astype(x_BTHW.dtype) for c in cos_sin)
-    x1, x2 = x_BTHW[..., : W // 2], x_BTHW[..., W // 2 :]
-    return x_BTHW * cos + jnp.concatenate([-x2, x1], axis=-1) * sin
-
-
-def apply_rope(x_BTHW: jax.Array, positions_BT: jax.Array, theta: float) -> jax.Array:
-    """Rotary embedding at `positions_BT` (see `rope_table`)."""
-    return rotate(x_BTHW, rope_table(positions_BT, x_BTHW.shape[-1], theta))
-
-
-def attention_mask(q_pos_BT, k_pos_BS, q_slot_T, k_slot_S) -> jax.Array:
-    """[B,T,S] bool: key allowed iff key_pos >= 0, key_pos <= query_pos and key slot <= query slot."""
-    return (
-        (k_pos_BS >= 0)[:, None, :]
-        & (k_pos_BS[:, None, :] <= q_pos_BT[:, :, None])
-        & (k_slot_S[None, None, :] <= q_slot_T[None, :, None])
-    )
-
-
-def write_kv(cache_BJSW: jax.Array, x_BTJW: jax.Array, index: jax.Array) -> jax.Array:
-    """A chunk's keys (or values) written into a layer's cache at slots index..index+T-1."""
-    x_BJTW = x_BTJW.transpose(0, 2, 1, 3).astype(cache_BJSW.dtype)
-    return jax.lax.dynamic_update_slice_in_dim(cache_BJSW, x_BJTW, index, axis=2)
-
-
-class Attention(nnx.Module):
-    """Grouped-query self-attention with optional per-head q/k RMSNorm (before RoPE, as Qwen3)."""
-
-    def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-        D, H, J, W, pd = cfg.embed_dim, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.jnp_param_dtype
-        self.cfg = cfg
-        self.q_proj = sharding.param(rngs, _fan_in(0, (1, 2)), (D, H, W), ("embed", "heads", "head_dim"), pd)
-        self.k_proj = sharding.param(rngs, _fan_in(0, (1, 2)), (D, J, W), ("embed", "kv_heads", "head_dim"), pd)
-        self.v_proj = sharding.param(rngs, _fan_in(0, (1, 2)), (D, J, W), ("embed", "kv_heads", "head_dim"), pd)
-        self.o_proj = sharding.param(rngs, _fan_in((0, 1), 2), (H, W, D), ("heads", "head_dim", "embed"), pd)
-        if cfg.qk_norm:
-            self.q_norm = RMSNorm(W, cfg.rms_eps, param_dtype=pd, rngs=rngs)
-            self.k_norm = RMSNorm(W, cfg.rms_eps, param_dtype=pd, rngs=rngs)
-
-    def __call__(self, x_BTD, positions_BT, rope, kv=None, return_kv=False):
-        """`rope`: the forward's `rope_table`. kv=None: attend within the chunk (and with `return_kv`
-        return its keys/values (k_BTJW, v_BTJW)). kv=(k_BJSW, v_BJSW, key_pos_BS, index), this layer's
-        cache: write this chunk's keys/values at slots index.., attend over all S slots, return the
-        new (k_BJSW, v_BJSW)."""
-        cfg, dtype = self.cfg, x_BTD.dtype
-        B, T, _ = x_BTD.shape
-        q_BTHW = jnp.einsum("btd,dhw->bthw", x_BTD, self.q_proj[...].astype(dtype))
-        k_BTJW = jnp.einsum("btd,djw->btjw", x_BTD, self.k_proj[...].astype(dtype))
-        v_BTJW = jnp.einsum("btd,djw->btjw", x_BTD, self.v_proj[...].astype(dtype))
-        q_BTHW, k_BTJW = row_major_cotangent(q_BTHW), row_major_cotangent(k_BTJW)
-        if cfg.qk_norm:
-            q_BTHW, k_BTJW = self.q_norm(q_BTHW), self.k_norm(k_BTJW)
-        q_BTHW, k_BTJW = rotate(q_BTHW, rope), rotate(k_BTJW, rope)
-        q_slot_T = jnp.arange(T, dtype=jnp.int32)
-        Q = cfg.num_heads // cfg.num_kv_heads
-        q_BTJQW = q_BTHW.reshape(B, T, cfg.num_kv_heads, Q, cfg.head_dim)
-        fused = flash.implementation(sharding.platform(), dtype, cfg.head_dim) if kv is None else None
-        if fused is not None:  # a chunk within itself on a GPU: cuDNN's flash attention
-            out_BTHW = flash.attend(q_BTHW, k_BTJW, v_BTJW, positions_BT, implementation=fused)
-            new_kv = (k_BTJW, v_BTJW) if return_kv else None
-            return jnp.einsum("bthw,hwd->btd", out_BTHW, self.o_proj[...].astype(dtype)), new_kv
-        if kv is None:
-            keys, vals, key_pos_BS, k_slot_S = k_BTJW, v_BTJW, positions_BT, q_slot_T
-            new_kv = (k_BTJW, v_BTJW) if return_kv else None
-            kv_axes = "bsjw"  # the axes of `keys` and `vals`
-        else:
-            k_BJSW, v_BJSW, key_pos_BS, index = kv
-            k_BJSW, v_BJSW = write_kv(k_BJSW, k_BTJW, index), write_kv(v_BJSW, v_BTJW, index)
-            keys, vals = k_BJSW.astype(dtype), v_BJSW.astype(dtype)
-            k_slot_S = jnp.arange(k_BJSW.shape[2], dtype=jnp.int32)
-            q_slot_T = q_slot_T + index
-            new_kv = (k_BJSW, v_BJSW)
-            kv_axes = "bjsw"
-        scores_BJQTS = jnp.einsum(f"btjqw,{kv_axes}->bjqts", q_BTJQW, keys, preferred_element_type=jnp.float32) * (
-            cfg.head_dim**-0.5
-        )
-        mask_BTS = attention_mask(positions_BT, key_pos_BS, q_slot_T, k_slot_S)
-        scores_BJQTS = jnp.where(mask_BTS[:, None, None], scores_BJQTS, MASK_VALUE)
-        probs_BJQTS = jax.nn.softmax(scores_BJQTS, axis=-1)
-        # A query with no allowed key (padding) reads nothing, rather than an average of arbitrary
-        # slots: its output then cannot depend on stale cache contents.
-        probs_BJQTS = (probs_BJQTS * jnp.any(mask_BTS, axis=-1)[:, None, None, :, None]).astype(dtype)
-        if kv is None:
-            out_BTJQW = jnp.einsum("bjqts,bsjw->btjqw", probs_BJQTS, vals)
-        else:  # a plain batched [Q·T, S] x [S, W] matmul per (sequence, head), then the small output moved
-            out_BTJQW = jnp.einsum("bjqts,bjsw->bjqtw", probs_BJQTS, vals).transpose(0, 3, 1, 2, 4)
-        out_BTHW = out_BTJQW.reshape(B, T, cfg.num_heads, cfg.head_dim)
-        return jnp.einsum("bthw,hwd->btd", out_BTHW, self.o_proj[...].astype(dtype)), new_kv
-
-
-class MLP(nnx.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
-
-    def __init__(self, embed_dim: int, mlp_dim: int, *, param_dtype, rngs: nnx.Rngs):
-        self.gate_proj = sharding.param(rngs, _fan_in(0, 1), (embed_dim, mlp_dim), ("embed", "mlp"), param_dtype)
-        self.up_proj = sharding.param(rngs, _fan_in(0, 1), (embed_dim, mlp_dim), ("embed", "mlp"), param_dtype)
-        self.down_proj = sharding.param(rngs, _fan_in(0, 1), (mlp_dim, embed_dim), ("mlp", "embed"), param_dtype)
-
-    def __call__(self, x_BTD):
-        dtype = x_BTD.dtype
-        g_BTF = row_major_cotangent(x_BTD @ self.gate_proj[...].astype(dtype))
-        u_BTF = row_major_cotangent(x_BTD @ self.up_proj[...].astype(dtype))
-        h_BTF = jax.nn.silu(g_BTF) * u_BTF
-        return h_BTF @ self.down_proj[...].astype(dtype)
+# ---------------------------------------------------------------------------- blocks, stacks, transformer
 
 
 class Block(nnx.Module):
@@ -370,7 +239,7 @@ class Transformer(nnx.Module):
         self.stacks = nnx.List([Stack(cfg, first, n, rngs=rngs) for first, n in cfg.layer_runs])
         self.norm = RMSNorm(cfg.embed_dim, cfg.rms_eps, param_dtype=pd, rngs=rngs)
         if not cfg.tie_embeddings:
-            self.lm_head = sharding.param(rngs, _fan_in(0, 1), (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"), pd)
+            self.lm_head = sharding.param(rngs, fan_in(0, 1), (cfg.embed_dim, cfg.vocab_size), ("embed", "vocab"), pd)
 
     def __call__(
         self,
@@ -413,46 +282,51 @@ class Transformer(nnx.Module):
         the chunk attends within itself and the layers run as the cache-free scan, each layer's
         keys/values written into its cache afterwards: the same result, one layer compiled per stack."""
         cfg, dtype = self.cfg, self.cfg.jnp_dtype
-        chex.assert_rank(tokens_BT, 2, custom_message="tokens must be [B, T]")
-        B, T = tokens_BT.shape
-        chex.assert_shape(positions_BT, (B, T), custom_message="positions must be [B, T] like tokens")
-        L, K = cfg.num_moe_layers, max(cfg.top_k, 1)
-        for forced_BLTK in jax.tree.leaves(forced_topk):  # ids, or (ids, gates)
-            chex.assert_shape(forced_BLTK, (B, L, T, K), custom_message="forced_topk must be [B, L, T, K]")
+        self._check_shapes(tokens_BT, positions_BT, forced_topk)
         positions_BT = positions_BT.astype(jnp.int32)
         x_BTD = sharding.constrain(jnp.take(self.embed_tokens[...], tokens_BT, axis=0).astype(dtype), ACTIVATION)
-        if cache is not None:
-            index = cache.index.astype(jnp.int32)
-            key_pos_BS = jax.lax.dynamic_update_slice(cache.positions, positions_BT, (jnp.zeros((), jnp.int32), index))
-            new_k, new_v = [], []
+        key_pos_BS, index = (None, None) if cache is None else _cache_slots(cache, positions_BT)
         rope = rope_table(positions_BT, cfg.head_dim, cfg.rope_theta)
-        stats, moe_seen = [], 0  # stats: per MoE stack, RouterOutput stacked [n, ...]
+        fill = cache is not None and empty_cache
+        new_kvs, stats = [], []  # each layer's new (k, v); per MoE stack, its RouterOutput stacked [n, ...]
         for i_stack, (stack, (first, n)) in enumerate(zip(self.stacks, cfg.layer_runs)):
-            kvs = None
-            if cache is not None and not empty_cache:
-                kvs = [(cache.k[i], cache.v[i], key_pos_BS, index) for i in range(first, first + n)]
-            forced = None
-            if forced_topk is not None and stack.is_moe:
-                layers_of = lambda a, i=moe_seen, n=n: a[:, i : i + n].transpose(1, 0, 2, 3)
-                forced = jax.tree.map(layers_of, forced_topk)
-            fill = cache is not None and empty_cache
+            kvs = None if cache is None or fill else _layer_caches(cache, key_pos_BS, index, first, n)
+            forced = self._forced_routing(forced_topk, i_stack)
             stack_layers = None if layers is None or kvs is None else layers[i_stack]
             x_BTD, kvs, s = stack(
                 x_BTD, positions_BT, rope, kvs, forced, return_router_logits, return_kv=fill, layers=stack_layers
             )
-            if fill:  # this chunk's keys/values [B, T, J, W] into each layer's cache at `index`
-                kvs = [
-                    (write_kv(cache.k[i], k, index), write_kv(cache.v[i], v, index))
-                    for i, (k, v) in enumerate(kvs, first)
-                ]
             if cache is not None:
-                new_k += [k for k, _ in kvs]
-                new_v += [v for _, v in kvs]
+                new_kvs += _filled_caches(cache, kvs, first, index) if fill else kvs
             if s is not None:
                 stats.append(s)
-                moe_seen += n
         x_BTD = sharding.constrain(self.norm(x_BTD), ACTIVATION)
+        new_cache = None if cache is None else _advanced_cache(new_kvs, key_pos_BS, index, tokens_BT.shape[1])
+        return x_BTD, self._aux(stats, tokens_BT.shape, return_router_logits, new_cache)
 
+    def _check_shapes(self, tokens_BT: jax.Array, positions_BT: jax.Array, forced_topk) -> None:
+        """A forward's inputs: tokens and positions [B, T], a replayed routing (ids, or (ids, gates)) [B, L, T, K]."""
+        chex.assert_rank(tokens_BT, 2, custom_message="tokens must be [B, T]")
+        B, T = tokens_BT.shape
+        chex.assert_shape(positions_BT, (B, T), custom_message="positions must be [B, T] like tokens")
+        L, K = self.cfg.num_moe_layers, max(self.cfg.top_k, 1)
+        for forced_BLTK in jax.tree.leaves(forced_topk):  # ids, or (ids, gates)
+            chex.assert_shape(forced_BLTK, (B, L, T, K), custom_message="forced_topk must be [B, L, T, K]")
+
+    def _forced_routing(self, forced_topk, i_stack: int):
+        """Stack `i_stack`'s layers of a replayed routing [B, L, T, K] (ids, or (ids, gates)), layers first:
+        [n, B, T, K] each; None where nothing is replayed or the stack is dense."""
+        cfg, (first, n) = self.cfg, self.cfg.layer_runs[i_stack]
+        if forced_topk is None or not cfg.is_moe_layer(first):
+            return None
+        i = sum(m for f, m in cfg.layer_runs[:i_stack] if cfg.is_moe_layer(f))  # MoE layers of earlier stacks
+        return jax.tree.map(lambda a: a[:, i : i + n].transpose(1, 0, 2, 3), forced_topk)
+
+    def _aux(self, stats: list, shape_BT: tuple[int, int], return_router_logits: bool, cache) -> ModelAux:
+        """`ModelAux` from each MoE stack's router stats (`moe.RouterOutput` stacked [n, ...]): the routing
+        batch-first [B, L, T, K], the losses averaged over MoE layers (empty routing, zero losses: none)."""
+        cfg, (B, T) = self.cfg, shape_BT
+        K = max(cfg.top_k, 1)
         if stats:
             topk_BLTK = jnp.concatenate([s.topk_BTK for s in stats], axis=0).transpose(1, 0, 2, 3)
             gates_BLTK = jnp.concatenate([s.gates_BTK for s in stats], axis=0).transpose(1, 0, 2, 3)
@@ -466,19 +340,15 @@ class Transformer(nnx.Module):
             gates_BLTK = jnp.zeros((B, 0, T, K), jnp.float32)
             router_logits = jnp.zeros((B, 0, T, cfg.num_experts), jnp.float32) if return_router_logits else None
             lb_loss = z_loss = jnp.zeros((), jnp.float32)
-        new_cache = None
-        if cache is not None:
-            new_cache = KVCache(k=tuple(new_k), v=tuple(new_v), positions=key_pos_BS, index=index + T)
-        aux = ModelAux(
+        return ModelAux(
             topk=topk_BLTK,
             gates=gates_BLTK,
             router_logits=router_logits,
             lb_loss=lb_loss,
             z_loss=z_loss,
             aux_loss=cfg.lb_loss_coef * lb_loss + cfg.z_loss_coef * z_loss,
-            cache=new_cache,
+            cache=cache,
         )
-        return x_BTD, aux
 
 
 def apply(

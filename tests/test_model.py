@@ -13,7 +13,7 @@ import pytest
 from absl.testing import parameterized
 from flax import nnx
 
-from gspo_jax import compiles, expert_parallel, logprobs, model_config, moe, sharding
+from gspo_jax import compiles, expert_parallel, layers, logprobs, model_config, moe, sharding
 from gspo_jax import dispatch as dispatch_lib
 from gspo_jax import model as model_lib
 
@@ -458,7 +458,7 @@ def test_row_major_cotangent_is_the_identity_and_unfuses_the_weight_gradients_tr
     # backward inside the transposed copy the weight gradient's matmul reads (a strided loop).
     def loss(w, x, c, helper):
         y = jnp.einsum("btd,dhw->bthw", x, w)
-        y = model_lib.row_major_cotangent(y) if helper else y
+        y = layers.row_major_cotangent(y) if helper else y
         return jnp.sum(jnp.sin(y * jax.lax.rsqrt(jnp.mean(y * y, -1, keepdims=True) + 1e-6)) * c)
 
     k = jax.random.split(jax.random.key(0), 3)
@@ -788,7 +788,7 @@ class TestMoEPieces(chex.TestCase):
     def test_rope_depends_on_relative_position(self):
         q = jax.random.normal(jax.random.key(19), (1, 1, 1, 16))
         k = jax.random.normal(jax.random.key(20), (1, 1, 1, 16))
-        rope = self.variant(functools.partial(model_lib.apply_rope, theta=10_000.0))
+        rope = self.variant(functools.partial(layers.apply_rope, theta=10_000.0))
 
         def score(m, n):
             return float(jnp.sum(rope(q, jnp.array([[m]])) * rope(k, jnp.array([[n]]))))
