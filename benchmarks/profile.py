@@ -46,7 +46,7 @@ from gspo_jax import compiles
 from gspo_jax import programs as programs_lib
 from gspo_jax import sharding as sharding_lib
 from gspo_jax.host_memory import reexec_with_huge_pages
-from gspo_jax.sampler import Sampler, left_pad
+from gspo_jax.sampler import Sampler, SamplerOptions, left_pad
 from gspo_jax.sharding import mesh_from_config
 
 PROGRAMS = ("train_step", "sampler")
@@ -83,10 +83,8 @@ def sampler_program(shape: str, max_new_tokens: int = 0):
     built, graphdef, params, _ = pieces(c)
     B = built.rollout.num_groups * built.rollout.group_size
     P, C = c.prompt_len, c.max_new_tokens
-    options = compiles.step_options(c.cpu_fast_compile)  # as the trainer compiles it
-    sampler = Sampler(
-        graphdef, built.model, B, P, C, mesh=mesh_from_config(**c.mesh), state=params, compiler_options=options
-    )
+    options = SamplerOptions(compiler_options=compiles.step_options(c.cpu_fast_compile))  # as the trainer compiles it
+    sampler = Sampler(graphdef, built.model, B, P, C, mesh=mesh_from_config(**c.mesh), state=params, options=options)
     rng = np.random.default_rng(0)
     prompts, mask = left_pad([rng.integers(4, built.model.vocab_size, P) for _ in range(B)], P)
     t, k, p = jnp.float32(1.0), jnp.int32(0), jnp.float32(1.0)

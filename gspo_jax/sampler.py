@@ -4,9 +4,10 @@ It is where π_old is born: besides the tokens it returns the log-prob of every 
 router top-k of every position the model processed (and, with `record_gates`, their combine weights),
 so the trainer can check its recomputation and replay the sampler's routing (R3; R3W with the weights).
 
-Static (one compile each): batch B, prompt bucket P, max new tokens C, `max_top_k` (Z candidates).
-Traced (changing them never recompiles): temperature, top-k, top-p, the RNG key, the EOS ids, the pad
-id. Shape letters: `gspo_jax/__init__.py`.
+Static (one compile each): batch B, prompt bucket P, max new tokens C, `max_top_k` (Z candidates), the
+decode chunk and `record_gates` (`DecodeSettings`). Traced (changing them never recompiles): temperature,
+top-k, top-p, the RNG key, the EOS ids, the pad id (`SamplingArgs`). A sampler's options besides its
+shape: `SamplerOptions`. Shape letters: `gspo_jax/__init__.py`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,8 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import functools
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any, NamedTuple
 
 import chex
 import jax
@@ -45,7 +47,7 @@ class SampleOutput:
     `sharding.BATCH_FIELDS`).
 
     sampler_logp[b, t] is log π(tokens[b, t] | tokens[b, :t]) at the sampling temperature *without*
-    top-k / top-p truncation — the quantity the trainer recomputes (`losses.sequence_logprobs`); 0 off
+    top-k / top-p truncation — the quantity the trainer recomputes (`logprobs.sequence_logprobs`); 0 off
     completions. With temperature 0 (greedy) the log-probs are those at temperature 1.
     """
 
@@ -78,6 +80,39 @@ class DecodeState:
     mask: jax.Array  # bool [B, C]: live (not yet past EOS) when sampled
     topk: jax.Array  # int32 [B, L, C, K]
     gates: jax.Array | None  # float32 [B, L, C, K] (`record_gates` only)
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplerOptions:
+    """A `Sampler`'s options besides its shape (batch, prompt bucket, max new tokens); the defaults are
+    a plain one-thread sampler."""
+
+    max_top_k: int = 64  # Z: the candidates top-k / top-p choose from (static; capped at the vocabulary)
+    threads: int = 1  # the batch as this many equal slices at once, one host thread each (one device only)
+    decode_chunk: int | None = None  # decode steps per host round trip; None: `default_decode_chunk`
+    record_gates: bool = False  # the routing's combine weights too (weight replay, R3W)
+    compiler_options: Mapping[str, Any] | None = None  # to XLA (the trainer's `compiles.step_options`)
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeSettings:
+    """The decode loop's static settings: one static argument of `_generate`, hashed by value, so
+    samplers with equal settings (and graphdef) share one compilation."""
+
+    max_new_tokens: int  # C
+    max_top_k: int  # Z
+    chunk: int  # decode steps per while-loop iteration; divides C
+    record_gates: bool
+
+
+class SamplingArgs(NamedTuple):
+    """The traced sampling settings of one call: changing them never recompiles."""
+
+    temperature: jax.Array  # float32 scalar; <= 0 is greedy
+    top_k: jax.Array  # int32 scalar; <= 0: off
+    top_p: jax.Array  # float32 scalar; >= 1: off
+    eos_ids: jax.Array  # int32 [MAX_EOS_IDS], padded with -1
+    pad_id: jax.Array  # int32 scalar
 
 
 def left_pad(token_lists: Sequence[Sequence[int]], length: int, pad_id: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -134,22 +169,17 @@ def default_decode_chunk(max_new_tokens: int, platform: str) -> int:
 
 def _generate(
     graphdef,
-    max_new_tokens: int,
-    max_top_k: int,
-    chunk: int,
-    record_gates: bool,
+    settings: DecodeSettings,
     state,
     cache,
     prompt_BP,
     prompt_mask_BP,
     key,
-    temperature,
-    top_k,
-    top_p,
-    eos_ids,
-    pad_id,
+    sampling: SamplingArgs,
 ) -> tuple[SampleOutput, model_lib.KVCache]:
-    B, C = prompt_BP.shape[0], max_new_tokens
+    """One call: the prompts' prefill, then the decode loop; (graphdef, settings) are static, the cache donated."""
+    B, C = prompt_BP.shape[0], settings.max_new_tokens
+    chunk, record_gates, pad_id = settings.chunk, settings.record_gates, sampling.pad_id
     model = nnx.merge(graphdef, state)
     # The donated cache of the previous call is reused: emptying its slot positions is enough.
     cache = dataclasses.replace(cache, positions=jnp.full_like(cache.positions, -1), index=jnp.zeros_like(cache.index))
@@ -165,10 +195,12 @@ def _generate(
     def body(d: DecodeState) -> DecodeState:
         i = d.step
         key, sub = jax.random.split(d.key)
-        tok_B, logp_B = sample_logits(d.logits, sub, temperature, top_k, top_p, max_top_k)
+        tok_B, logp_B = sample_logits(
+            d.logits, sub, sampling.temperature, sampling.top_k, sampling.top_p, settings.max_top_k
+        )
         live_B = ~d.done
         tok_B = jnp.where(live_B, tok_B, pad_id)
-        is_eos_B = jnp.any(tok_B[:, None] == eos_ids[None, :], axis=-1) & live_B
+        is_eos_B = jnp.any(tok_B[:, None] == sampling.eos_ids[None, :], axis=-1) & live_B
         logits_B1V, step_aux = model(tok_B[:, None], (n_prompt_B + i)[:, None], cache=d.cache, layers=layers)
         col = lambda buf_BC, x_B: jax.lax.dynamic_update_slice_in_dim(buf_BC, x_B[:, None], i, axis=1)
         # Zeros (an untouched column) for the steps a chunk runs after every row has stopped.
@@ -303,11 +335,11 @@ class Sampler:
     `sampler(state, prompts, prompt_mask, key, temperature=, top_k=, top_p=, eos_ids=, pad_id=)`
     -> SampleOutput. The KV cache is allocated once, donated to each call and handed back by it. With
     a mesh, the batch is sharded over its data axes and the parameters by the
-    logical rules of `gspo_jax.sharding`. With `threads` > 1 (one device only) the batch is generated
-    as that many equal slices at once, one host thread each, by one compiled program: XLA:CPU runs a
-    decode step's small ops on one core, so slices use the others. Slice i draws from
-    `fold_in(key, i)`: the thread count is part of what a key gives. `compiler_options` go to XLA
-    (the trainer's `compiles.step_options`).
+    logical rules of `gspo_jax.sharding`. With `options.threads` > 1 (one device only) the batch is
+    generated as that many equal slices at once, one host thread each, by one compiled program: XLA:CPU
+    runs a decode step's small ops on one core, so slices use the others. Slice i draws from
+    `fold_in(key, i)`: the thread count is part of what a key gives. The rest of the options (top-k's
+    candidates, the decode chunk, recording the gates, XLA's compiler options): `SamplerOptions`.
     """
 
     def __init__(
@@ -318,19 +350,16 @@ class Sampler:
         prompt_len: int,
         max_new_tokens: int,
         *,
-        max_top_k: int = 64,
         mesh=None,
         state=None,
-        threads: int = 1,
-        compiler_options: dict | None = None,
-        decode_chunk: int | None = None,
-        record_gates: bool = False,
+        options: SamplerOptions = SamplerOptions(),
     ):
+        threads = options.threads
         for name, v in (
             ("batch_size", batch_size),
             ("prompt_len", prompt_len),
             ("max_new_tokens", max_new_tokens),
-            ("max_top_k", max_top_k),
+            ("max_top_k", options.max_top_k),
             ("threads", threads),
         ):
             check_int("Sampler", name, v, low=1)
@@ -339,45 +368,52 @@ class Sampler:
         check(batch_size % threads == 0, "Sampler", "threads", threads, f"a divisor of batch_size={batch_size}")
         devices = 1 if mesh is None else mesh.devices.size
         check(threads == 1 or devices == 1, "Sampler", "threads", threads, f"1 on a mesh of {devices} devices")
+        self.options = options
         self.threads, self._rows = threads, batch_size // threads
         self._pool = concurrent.futures.ThreadPoolExecutor(threads) if threads > 1 else None
         self.model_cfg, self.batch_size = model_cfg, batch_size
         self.prompt_len, self.max_new_tokens = prompt_len, max_new_tokens
-        self.max_top_k = min(max_top_k, model_cfg.vocab_size)
+        self.max_top_k = min(options.max_top_k, model_cfg.vocab_size)
         self.mesh = mesh
-        # graphdef and the static sizes are static arguments of one module-level function, so equal
-        # samplers share their compilation.
         platform = jax.default_backend() if mesh is None else mesh.devices.flat[0].platform
-        chunk = default_decode_chunk(max_new_tokens, platform) if decode_chunk is None else decode_chunk
+        chunk = default_decode_chunk(max_new_tokens, platform) if options.decode_chunk is None else options.decode_chunk
         check_int("Sampler", "decode_chunk", chunk, low=1)
         check(max_new_tokens % chunk == 0, "Sampler", "decode_chunk", chunk, f"a divisor of {max_new_tokens=}")
         self.decode_chunk = chunk
-        self.record_gates = bool(record_gates)  # the routing's combine weights too (weight replay, R3W)
+        self.record_gates = bool(options.record_gates)  # the routing's combine weights too (weight replay, R3W)
         # The `SampleOutput` fields a call fills (the others are None).
         self.fields = SAMPLE_FIELDS if self.record_gates else tuple(f for f in SAMPLE_FIELDS if f != "gates")
-        self._static = (graphdef, max_new_tokens, self.max_top_k, chunk, self.record_gates)
-        if mesh is None:
+        # graphdef and the decode loop's settings are the static arguments of one module-level function,
+        # so equal samplers share their compilation.
+        self._static = (graphdef, DecodeSettings(max_new_tokens, self.max_top_k, chunk, self.record_gates))
+        self._compile(state, options.compiler_options)
+        self._caches = [None] * threads  # allocated on first use, then donated and handed back by every call
+
+    def _compile(self, state, compiler_options):
+        """The jitted `_generate`: without a mesh as is; with one, placed by its shardings."""
+        static, donate = (0, 1), (3,)  # (graphdef, settings) and the cache
+        if self.mesh is None:
             self._fn = jax.jit(
-                _generate, static_argnums=(0, 1, 2, 3, 4), donate_argnums=(6,), compiler_options=compiler_options
+                _generate, static_argnums=static, donate_argnums=donate, compiler_options=compiler_options
             )
             self._cache_sharding = self._in_shardings = self._out_shardings = None
-        else:
-            state_sh = sharding_lib.param_shardings(mesh, state)
-            b2 = sharding_lib.batch_sharding(mesh, 2)  # the prompts and their mask
-            rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-            self._cache_sharding = sharding_lib.cache_shardings(mesh, jax.eval_shape(self._new_cache))
-            out_sh = SampleOutput(**sharding_lib.field_shardings(mesh, self.fields))
-            self._in_shardings = (state_sh, self._cache_sharding, b2, b2, rep, rep, rep, rep, rep, rep)
-            self._out_shardings = out_sh
-            self._fn = jax.jit(
-                sharding_lib.under_mesh(_generate, mesh),
-                static_argnums=(0, 1, 2, 3, 4),
-                donate_argnums=(6,),
-                in_shardings=self._in_shardings,
-                out_shardings=(out_sh, self._cache_sharding),
-                compiler_options=compiler_options,
-            )
-        self._caches = [None] * threads  # allocated on first use, then donated and handed back by every call
+            return
+        mesh = self.mesh
+        state_sh = sharding_lib.param_shardings(mesh, state)
+        b2 = sharding_lib.batch_sharding(mesh, 2)  # the prompts and their mask
+        rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+        self._cache_sharding = sharding_lib.cache_shardings(mesh, jax.eval_shape(self._new_cache))
+        out_sh = SampleOutput(**sharding_lib.field_shardings(mesh, self.fields))
+        self._in_shardings = (state_sh, self._cache_sharding, b2, b2, rep, SamplingArgs(*[rep] * 5))
+        self._out_shardings = out_sh
+        self._fn = jax.jit(
+            sharding_lib.under_mesh(_generate, mesh),
+            static_argnums=static,
+            donate_argnums=donate,
+            in_shardings=self._in_shardings,
+            out_shardings=(out_sh, self._cache_sharding),
+            compiler_options=compiler_options,
+        )
 
     def batch_sharding(self, ndim: int):
         """How a [B, ...] array of `ndim` dimensions is split over the mesh (None without one)."""
@@ -398,9 +434,11 @@ class Sampler:
             jax.ShapeDtypeStruct((B, P), i32),
             jax.ShapeDtypeStruct((B, P), bool),
             jax.eval_shape(lambda: jax.random.key(0)),
-            *(jax.ShapeDtypeStruct((), t) for t in (f32, i32, f32)),
-            jax.ShapeDtypeStruct((MAX_EOS_IDS,), i32),
-            jax.ShapeDtypeStruct((), i32),
+            SamplingArgs(
+                *(jax.ShapeDtypeStruct((), t) for t in (f32, i32, f32)),
+                jax.ShapeDtypeStruct((MAX_EOS_IDS,), i32),
+                jax.ShapeDtypeStruct((), i32),
+            ),
         )
         args = sharding_lib.abstract(args, self._in_shardings)
         return self._fn.lower(*self._static, *args)
@@ -425,7 +463,9 @@ class Sampler:
         check(len(eos_ids) <= MAX_EOS_IDS, "Sampler", "eos_ids", eos_ids, f"at most {MAX_EOS_IDS} ids")
         eos[: len(eos_ids)] = eos_ids
         check(int(top_k) <= self.max_top_k, "Sampler", "top_k", top_k, f"<= max_top_k={self.max_top_k} (static)")
-        shared = (jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p), jnp.asarray(eos), jnp.int32(pad_id))
+        shared = SamplingArgs(
+            jnp.float32(temperature), jnp.int32(top_k), jnp.float32(top_p), jnp.asarray(eos), jnp.int32(pad_id)
+        )
         prompts, prompt_mask = jnp.asarray(prompts, jnp.int32), jnp.asarray(prompt_mask, bool)
         if self.threads == 1:
             return self._slice(0, state, prompts, prompt_mask, key, shared)
@@ -438,7 +478,7 @@ class Sampler:
         out = jax.tree.map(lambda *xs: jnp.concatenate(xs), *outs)
         return out if self._out_shardings is None else jax.device_put(out, self._out_shardings)
 
-    def _slice(self, i: int, state, prompts, prompt_mask, key, shared) -> SampleOutput:
+    def _slice(self, i: int, state, prompts, prompt_mask, key, shared: SamplingArgs) -> SampleOutput:
         """Generates slice i of the batch (all of it with one thread), with its own donated cache."""
         if self._caches[i] is None:
             self._caches[i] = self._new_cache()
@@ -447,7 +487,7 @@ class Sampler:
         cache, self._caches[i] = self._caches[i], None  # donated: unusable after the call
         if self.threads > 1:
             key = jax.random.fold_in(key, i)
-        args = (state, cache, prompts, prompt_mask, key, *shared)
+        args = (state, cache, prompts, prompt_mask, key, shared)
         if self._in_shardings is not None:
             # Arrays on a mesh carry it in their type: placing every argument the same way on every
             # call (a fresh key, a restored parameter) is what keeps this at one compile.

@@ -32,7 +32,7 @@ from gspo_jax import model as model_lib
 from gspo_jax import sharding as sharding_lib
 from gspo_jax.checkpoint import _COMMIT_MARKER, STATE_ITEM
 from gspo_jax.model_config import ModelConfig
-from gspo_jax.sampler import Sampler, left_pad
+from gspo_jax.sampler import Sampler, SamplerOptions, left_pad
 from gspo_jax.tasks import load_tokenizer, prompt_iterator
 from gspo_jax.validation import ConfigError
 from gspo_jax.workdir import CONFIG_FILE
@@ -282,9 +282,9 @@ def make_probe(
     # A one-device mesh: its explicit shardings keep the sampler at one compile (without a mesh, its
     # first call, on a fresh KV cache, and later ones, on the donated cache, compile separately).
     mesh = sharding_lib.make_mesh(devices=jax.devices()[:1])
-    options = compiles.step_options(c.get("cpu_fast_compile", True))
+    options = SamplerOptions(compiler_options=compiles.step_options(c.get("cpu_fast_compile", True)))
     sampler = Sampler(
-        run.graphdef, run.model, B, c.prompt_len, c.max_new_tokens, mesh=mesh, state=params, compiler_options=options
+        run.graphdef, run.model, B, c.prompt_len, c.max_new_tokens, mesh=mesh, state=params, options=options
     )
     key = jax.random.key(seed)
     rows = []

@@ -15,7 +15,7 @@ from flax import nnx
 from gspo_jax import dispatch as dispatch_lib
 from gspo_jax import expert_parallel, grouped, model_config, moe, sharding
 from gspo_jax import model as model_lib
-from gspo_jax.sampler import Sampler, left_pad
+from gspo_jax.sampler import Sampler, SamplerOptions, left_pad
 
 
 def inputs(N=40, D=32, F=16, E=6, K=2, empty=(3,), seed=0):
@@ -208,8 +208,9 @@ def test_sampler_and_scoring_in_batch_chunks_on_a_mesh_equal_one_device():
     tokens, mask = left_pad([list(rng.integers(4, cfg.vocab_size, n)) for n in (3, 8, 5, 1)], P)
     mesh = sharding.make_mesh(data=2, tensor=2)
     sharded = jax.device_put(state, sharding.param_shardings(mesh, state))
-    on_one = Sampler(graphdef, cfg, B, P, C, max_top_k=16)(state, tokens, mask, jax.random.key(3))
-    on_mesh = Sampler(graphdef, cfg, B, P, C, max_top_k=16, mesh=mesh, state=state)(
+    options = SamplerOptions(max_top_k=16)
+    on_one = Sampler(graphdef, cfg, B, P, C, options=options)(state, tokens, mask, jax.random.key(3))
+    on_mesh = Sampler(graphdef, cfg, B, P, C, mesh=mesh, state=state, options=options)(
         sharded, tokens, mask, jax.random.key(3)
     )
     np.testing.assert_array_equal(on_mesh.tokens, on_one.tokens)

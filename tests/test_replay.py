@@ -17,7 +17,7 @@ from gspo_jax import iteration as iteration_lib
 from gspo_jax import model as model_lib
 from gspo_jax import model_config
 from gspo_jax.config import base_config
-from gspo_jax.sampler import Sampler, left_pad
+from gspo_jax.sampler import Sampler, SamplerOptions, left_pad
 
 
 def small(**train_keys):
@@ -124,7 +124,8 @@ def test_replaying_ids_and_weights_reproduces_the_samplers_forward():
     sampler_params = jax.tree_util.tree_map_with_path(shift, params)
     rng = np.random.default_rng(0)
     tokens, mask = left_pad([list(rng.integers(4, cfg.vocab_size, n)) for n in (3, 8, 5, 1)], 8)
-    out = Sampler(graphdef, cfg, 4, 8, 8, record_gates=True)(sampler_params, tokens, mask, jax.random.key(2))
+    sampler = Sampler(graphdef, cfg, 4, 8, 8, options=SamplerOptions(record_gates=True))
+    out = sampler(sampler_params, tokens, mask, jax.random.key(2))
     positions = model_lib.positions_from_mask(out.prompt_mask | out.completion_mask)
     score = jax.jit(functools.partial(model_lib.logprobs, graphdef))
     cm = np.asarray(out.completion_mask)

@@ -15,7 +15,7 @@ from gspo_jax.algorithms import ALGORITHMS
 from gspo_jax.evaluate import SAMPLED_KEY_OFFSET, evaluate
 from gspo_jax.losses import policy_loss
 from gspo_jax.rollout import Rollout, RolloutBatch, RolloutConfig, select_groups
-from gspo_jax.sampler import SampleOutput, Sampler
+from gspo_jax.sampler import SampleOutput, Sampler, SamplerOptions
 from gspo_jax.tasks import Example, TaskPrompts, load_tokenizer, prompt_iterator
 from gspo_jax.train import TrainBatch
 
@@ -78,7 +78,7 @@ def test_a_batch_array_has_one_name_and_one_placement_from_the_sampler_to_the_tr
     assert spec == {k: sharding.BATCH_FIELDS[k] for k in spec}
     mesh, cfg = sharding.make_mesh(data=2, expert=2, tensor=2), model_config.get("tiny")
     graphdef, state = model_lib.abstract_model(cfg)
-    sampler = Sampler(graphdef, cfg, 8, P, N, mesh=mesh, state=state, record_gates=True)
+    sampler = Sampler(graphdef, cfg, 8, P, N, mesh=mesh, state=state, options=SamplerOptions(record_gates=True))
     by_train = TrainBatch.shardings(mesh, critic=False, weight_replay=True)
     shared = set(sample) & set(train)
     assert shared == {"tokens", "completion_mask", "sampler_logp", "topk", "gates"}

@@ -15,9 +15,10 @@ from flax import nnx
 from gspo_jax import compiles, model_config, sharding
 from gspo_jax import model as model_lib
 from gspo_jax.logprobs import sequence_logprobs
-from gspo_jax.sampler import Sampler, left_pad, sample_logits
+from gspo_jax.sampler import Sampler, SamplerOptions, left_pad, sample_logits
 
 B, P, N = 4, 8, 10
+Z16 = SamplerOptions(max_top_k=16)  # top-k / top-p choose among 16 candidates
 
 
 @pytest.fixture(scope="module")
@@ -27,7 +28,7 @@ def setup():
     rng = np.random.default_rng(0)
     prompts = [list(rng.integers(4, cfg.vocab_size, n)) for n in (3, 8, 5, 1)]
     tokens, mask = left_pad(prompts, P)
-    sampler = Sampler(graphdef, cfg, B, P, N, max_top_k=16)
+    sampler = Sampler(graphdef, cfg, B, P, N, options=Z16)
     forward = jax.jit(functools.partial(model_lib.apply, graphdef))
     return cfg, graphdef, state, tokens, mask, sampler, forward
 
@@ -113,7 +114,7 @@ def test_decode_chunks_change_nothing_even_after_every_row_stopped(setup, chunk)
     # Chunks of decode steps (the accelerator default) give the same tokens, log-probs, masks and
     # routing; an EOS that stops every row mid-chunk leaves the later columns as one-step decoding does.
     cfg, graphdef, state, tokens, mask, sampler, _ = setup
-    chunked = Sampler(graphdef, cfg, B, P, N, max_top_k=16, decode_chunk=chunk)
+    chunked = Sampler(graphdef, cfg, B, P, N, options=SamplerOptions(max_top_k=16, decode_chunk=chunk))
     ref = np.asarray(sampler(state, tokens, mask, jax.random.key(0), temperature=0.0).tokens)[:, P:]
     for kw in (dict(temperature=1.0), dict(temperature=0.0, eos_ids=tuple(int(t) for t in ref[:, 1]))):
         a = sampler(state, tokens, mask, jax.random.key(2), **kw)
@@ -122,7 +123,7 @@ def test_decode_chunks_change_nothing_even_after_every_row_stopped(setup, chunk)
             np.testing.assert_array_equal(getattr(a, f), getattr(b, f), err_msg=f)
     assert int(np.max(a.lengths)) == 2  # the second pass stopped every row at step 2 of 10
     with pytest.raises(ValueError, match="decode_chunk"):
-        Sampler(graphdef, cfg, B, P, N, decode_chunk=3)
+        Sampler(graphdef, cfg, B, P, N, options=SamplerOptions(decode_chunk=3))
 
 
 def test_bad_arguments_raise_early(setup):
@@ -139,7 +140,7 @@ def test_sharded_sampler_equals_unsharded(setup):
     cfg, graphdef, state, tokens, mask, sampler, _ = setup
     mesh = sharding.make_mesh(data=2, expert=2, tensor=2)
     sharded_state = jax.device_put(state, sharding.param_shardings(mesh, state))
-    s2 = Sampler(graphdef, cfg, B, P, N, max_top_k=16, mesh=mesh, state=state)
+    s2 = Sampler(graphdef, cfg, B, P, N, mesh=mesh, state=state, options=Z16)
     for t in (0.0, 1.0):
         a = sampler(state, tokens, mask, jax.random.key(3), temperature=t)
         b = s2(sharded_state, tokens, mask, jax.random.key(3), temperature=t)
@@ -157,8 +158,8 @@ def test_prefill_in_batch_chunks_changes_nothing(setup):
     sharded_state = jax.device_put(state, sharding.param_shardings(mesh, state))
     chunked_cfg = dataclasses.replace(cfg, batch_chunks=2)
     chunked_graphdef, _ = model_lib.abstract_model(chunked_cfg)
-    one = Sampler(graphdef, cfg, B, P, N, max_top_k=16, mesh=mesh, state=state)
-    two = Sampler(chunked_graphdef, chunked_cfg, B, P, N, max_top_k=16, mesh=mesh, state=state)
+    one = Sampler(graphdef, cfg, B, P, N, mesh=mesh, state=state, options=Z16)
+    two = Sampler(chunked_graphdef, chunked_cfg, B, P, N, mesh=mesh, state=state, options=Z16)
     for t in (0.0, 1.0):
         a = one(sharded_state, tokens, mask, jax.random.key(5), temperature=t)
         b = two(sharded_state, tokens, mask, jax.random.key(5), temperature=t)
@@ -172,8 +173,8 @@ def test_threads_generate_the_slices_each_with_its_own_stream(setup):
     """threads=2: slice i of the batch is exactly what a one-thread sampler of half the batch draws
     from fold_in(key, i), made by one compiled program that later calls reuse."""
     cfg, graphdef, state, tokens, mask, _, _ = setup
-    two = Sampler(graphdef, cfg, B, P, N, max_top_k=16, threads=2)
-    half = Sampler(graphdef, cfg, B // 2, P, N, max_top_k=16)
+    two = Sampler(graphdef, cfg, B, P, N, options=SamplerOptions(max_top_k=16, threads=2))
+    half = Sampler(graphdef, cfg, B // 2, P, N, options=Z16)
     key = jax.random.key(3)
     out = two(state, tokens, mask, key, temperature=1.0, eos_ids=(5,))
     counter = compiles.CompileCounter()
@@ -183,17 +184,17 @@ def test_threads_generate_the_slices_each_with_its_own_stream(setup):
     for i, rows in enumerate((slice(0, B // 2), slice(B // 2, B))):
         ref = half(state, tokens[rows], mask[rows], jax.random.fold_in(key, i), temperature=1.0, eos_ids=(5,))
         chex.assert_trees_all_equal(jax.tree.map(lambda x, r=rows: x[r], out), ref)
-    whole = Sampler(graphdef, cfg, B, P, N, max_top_k=16)(state, tokens, mask, key, temperature=1.0, eos_ids=(5,))
+    whole = Sampler(graphdef, cfg, B, P, N, options=Z16)(state, tokens, mask, key, temperature=1.0, eos_ids=(5,))
     assert not np.array_equal(whole.tokens, out.tokens)  # the streams differ from one thread's
 
 
 def test_threads_must_split_the_batch_on_one_device(setup):
     cfg, graphdef, state, *_ = setup
     with pytest.raises(ValueError, match=r"Sampler.threads=3 .*a divisor of batch_size=4"):
-        Sampler(graphdef, cfg, B, P, N, threads=3)
+        Sampler(graphdef, cfg, B, P, N, options=SamplerOptions(threads=3))
     mesh = sharding.make_mesh(data=2, fsdp=1, expert=1, tensor=1, devices=jax.devices()[:2])  # conftest: 8
     with pytest.raises(ValueError, match=r"Sampler.threads=2 .*1 on a mesh of 2 devices"):
-        Sampler(graphdef, cfg, B, P, N, mesh=mesh, state=state, threads=2)
+        Sampler(graphdef, cfg, B, P, N, mesh=mesh, state=state, options=SamplerOptions(threads=2))
 
 
 # ------------------------------------------------------------------ the sampling distribution

@@ -21,7 +21,7 @@ from gspo_jax import flops
 from gspo_jax import model as model_lib
 from gspo_jax import programs as programs_lib
 from gspo_jax.config import base_config, build
-from gspo_jax.sampler import Sampler, left_pad
+from gspo_jax.sampler import Sampler, SamplerOptions, left_pad
 
 REAL_LAYERS = 2  # the real-dims proxy's default depth (the LM head is ~70% of its FLOPs at 2)
 
@@ -133,7 +133,7 @@ def decode_step(
     prefill cancels; against the floor of reading every weight once (the embedding table aside: a
     step gathers B of its rows). `shape` "real": batch 64 after 512-token prompts; "iteration": the
     race shape of `benchmarks.run.shapes` (width 256, 4 layers, 4 experts; batch 128 after 16 tokens).
-    `chunk`: decode steps per host round trip (`Sampler(decode_chunk=)`; None: the platform's).
+    `chunk`: decode steps per host round trip (`SamplerOptions.decode_chunk`; None: the platform's).
     `layers`: the real shape's depth."""
     if shape == "real":
         cfg, B, P = build(real_dims_config(dispatch, layers)).model, 64, 512
@@ -146,7 +146,7 @@ def decode_step(
     prompts, mask = left_pad([rng.integers(4, cfg.vocab_size, P) for _ in range(B)], P)
     times, used = {}, None
     for C in (8, 8 + steps):
-        sampler = Sampler(graphdef, cfg, B, P, C, decode_chunk=chunk)
+        sampler = Sampler(graphdef, cfg, B, P, C, options=SamplerOptions(decode_chunk=chunk))
         used = sampler.decode_chunk
         times[C] = best_time(lambda s=sampler: s(state, prompts, mask, jax.random.key(0)).tokens, repeats)
     seconds = (times[8 + steps] - times[8]) / steps

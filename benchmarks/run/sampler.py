@@ -17,7 +17,7 @@ from gspo_jax import model as model_lib
 from gspo_jax.config import build
 from gspo_jax.flops import matmul_params
 from gspo_jax.rollout import RolloutConfig
-from gspo_jax.sampler import Sampler, left_pad, sample_logits
+from gspo_jax.sampler import Sampler, SamplerOptions, left_pad, sample_logits
 
 
 def naive_decoder(graphdef, prompt_len: int, max_new: int, max_top_k: int):
@@ -54,7 +54,7 @@ def sampler_throughput(tiny: bool, repeats: int, peak_flops: float) -> dict:
 
     def run(batch: int, threads: int = 1) -> float:
         prompts, mask = left_pad([rng.integers(4, cfg.vocab_size, P) for _ in range(batch)], P)
-        sampler = Sampler(graphdef, cfg, batch, P, C, threads=threads, compiler_options=options)
+        sampler = Sampler(graphdef, cfg, batch, P, C, options=SamplerOptions(threads=threads, compiler_options=options))
         key = jax.random.key(0)  # no EOS: every row generates C tokens
         return best_time(lambda: sampler(state, prompts, mask, key, temperature=t, top_k=k, top_p=p).tokens, repeats)
 
