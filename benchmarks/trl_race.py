@@ -32,7 +32,7 @@ from benchmarks.run.iterations import RACE_ITERATIONS, race_iteration  # noqa: E
 from benchmarks.run.shapes import iteration_config  # noqa: E402
 from gspo_jax import hf  # noqa: E402
 from gspo_jax import programs as programs_lib  # noqa: E402
-from gspo_jax.config import build  # noqa: E402
+from gspo_jax.built import build  # noqa: E402
 from gspo_jax.sharding import mesh_from_config  # noqa: E402
 from gspo_jax.tasks import load_tokenizer, prompt_iterator  # noqa: E402
 from gspo_jax.tasks.tokenizer import write_tokenizer_files  # noqa: E402

@@ -15,7 +15,7 @@ import time
 import jax
 import jax.numpy as jnp
 
-from gspo_jax import config as config_lib
+from gspo_jax import built as built_lib
 from gspo_jax import flops
 from gspo_jax import model as model_lib
 from gspo_jax import programs as programs_lib
@@ -166,7 +166,7 @@ def compile_report(config, topology: str, programs: tuple[str, ...] = PROGRAMS) 
     if unknown:
         raise ConfigError(f"programs: {sorted(unknown)} not in {PROGRAMS}")
     devices = topology_devices(topology)
-    built = config_lib.build(config, device_count=len(devices))
+    built = built_lib.build(config, device_count=len(devices))
     hbm, peak = CHIPS[topology.split(":", 1)[0]]
     chips = (peak, len(devices))
     mesh = sharding_lib.make_mesh(**built.mesh.axes(), devices=devices)

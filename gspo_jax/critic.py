@@ -35,7 +35,7 @@ class CriticConfig:
     """The critic and the advantage estimator it feeds (hashable: a static jit argument)."""
 
     trunk: str = "policy"  # TRUNKS: a copy of the policy's trunk, or a separate model (`model`)
-    model: ModelConfig | None = None  # the trunk's architecture (`config.build` resolves it)
+    model: ModelConfig | None = None  # the trunk's architecture (`built.build` resolves it)
     gamma: float = 1.0  # discount
     lam: float = 0.95  # GAE's λ
     kl_reward_coef: float = 0.0  # β of the per-token penalty −β·(log π_old − log π_ref) folded into the reward

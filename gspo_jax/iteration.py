@@ -6,6 +6,7 @@ against π_old. It builds on the trainer (`train.py`) and its programs (`program
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
 import time
@@ -14,61 +15,101 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from gspo_jax import config as config_lib
 from gspo_jax import metrics as metrics_lib
 from gspo_jax import mismatch, routing, staleness
 from gspo_jax import model as model_lib
 from gspo_jax import optimizer as optimizer_lib
 from gspo_jax import sharding as sharding_lib
-from gspo_jax.config import TrainConfig
+from gspo_jax.built import TrainConfig
+from gspo_jax.context import RunContext
 from gspo_jax.programs import Programs
-from gspo_jax.rollout import Rollout
 from gspo_jax.train import TrainBatch, TrainState
 
 log = logging.getLogger(__name__)
 
 
-def rl_iteration(
-    programs: Programs,
-    rollout: Rollout,
-    t: TrainConfig,
-    state: TrainState,
-    prompts,
-    iteration: int,
-    ref_params=None,
-    lag: staleness.PolicyLag | None = None,
-) -> tuple[TrainState, dict[str, float]]:
-    """One RL iteration (see the module docstring); returns the new state and the iteration's metrics.
-    With a `lag` (`rollout.staleness` = k > 0) its oldest policy samples the batch and is π_old, its
-    routing drift to today's policy is logged (`stale_*`), and today's joins it before the update."""
-    key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), iteration)
-    t0 = time.perf_counter()
-    behaviour = state.params if lag is None else lag.behaviour(state.params)
-    batch, metrics = rollout(behaviour, prompts, jax.random.fold_in(key, 0))
-    t_rollout = time.perf_counter() - t0
-    full, mismatch_metrics = prepare_batch(programs, behaviour, batch, t, ref_params)
-    metrics.update(mismatch_metrics)
-    del behaviour  # the lag's oldest copy is freed once its work is done: k copies at most
-    if programs.estimate is not None:  # PPO: the critic's values and GAE replace the group advantages
-        rewards = jax.device_put(batch.rewards, sharding_lib.field_sharding(programs.mesh, "rewards"))
-        full, estimated = programs.estimate(state.critic.params, full, rewards)  # host rewards, the same everywhere
-        metrics.update({k: float(v) for k, v in jax.device_get(estimated).items()})
-    t_logprobs = time.perf_counter() - t0 - t_rollout  # synchronised: metrics are on the host
+class Phases:
+    """Seconds per phase of an iteration, each timed where it runs (`with phases("update"):`); a phase
+    entered twice adds up. Every phase ends on a host sync (its metrics reach the host), so the times
+    are the work's, not its dispatch's."""
 
-    B, num_mb = batch.tokens.shape[0], t.minibatches
-    drift_rows = np.arange(0, B, t.drift_subsample)
-    t_stale = time.perf_counter()
-    if lag is not None and lag.k:
-        metrics.update(staleness=float(lag.k), policy_lag=float(staleness.policy_lag(lag.k, iteration)))
-        if t.drift_metrics:  # today's policy against the behaviour policy's routing, before the update
-            sub = full if t.drift_subsample == 1 else programs.take(full, drift_rows)
-            metrics.update(staleness.drift_to_log(programs.drift(state.params, sub)))
-        lag.advance(state.params)
-    t_stale = time.perf_counter() - t_stale
-    router_before = [jnp.copy(x) for x in optimizer_lib.router_leaves(state.params)]  # the update donates them
+    NAMES = ("rollout", "logprob", "update", "drift")  # the order they are logged in
+
+    def __init__(self):
+        self.started, self.seconds = time.perf_counter(), dict.fromkeys(self.NAMES, 0.0)
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] += time.perf_counter() - t0
+
+    def metrics(self) -> dict[str, float]:
+        """`<phase>_seconds` for each phase, and `iteration_seconds` since the start."""
+        done = {f"{k}_seconds": v for k, v in self.seconds.items()}
+        return {**done, "iteration_seconds": time.perf_counter() - self.started}
+
+
+def rl_iteration(ctx: RunContext, state: TrainState, iteration: int) -> tuple[TrainState, dict[str, float]]:
+    """One RL iteration (see the module docstring) of the run `ctx`; returns the new state and the
+    iteration's metrics. With `rollout.staleness` = k > 0 the lag's oldest policy samples the batch and
+    is π_old, its routing drift to today's policy is logged (`stale_*`), and today's joins the lag
+    before the update."""
+    programs, train, lag = ctx.programs, ctx.built.train, ctx.lag
+    key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), iteration)
+    phases = Phases()
+    with phases("rollout"):
+        behaviour = state.params if lag is None else lag.behaviour(state.params)
+        batch, metrics = ctx.rollout(behaviour, ctx.prompts, jax.random.fold_in(key, 0))
+    with phases("logprob"):
+        full, mismatch_metrics = prepare_batch(ctx, behaviour, batch)
+        metrics.update(mismatch_metrics)
+        del behaviour  # the lag's oldest copy is freed once its work is done: k copies at most
+        if programs.estimate is not None:  # PPO: the critic's values and GAE replace the group advantages
+            rewards = jax.device_put(batch.rewards, sharding_lib.field_sharding(programs.mesh, "rewards"))
+            full, estimated = programs.estimate(state.critic.params, full, rewards)  # host rewards, everywhere alike
+            metrics.update({k: float(v) for k, v in jax.device_get(estimated).items()})
+    drift_rows = np.arange(0, batch.tokens.shape[0], train.drift_subsample)
+    with phases("drift"):
+        if lag is not None and lag.k:
+            metrics.update(staleness=float(lag.k), policy_lag=float(staleness.policy_lag(lag.k, iteration)))
+            if train.drift_metrics:  # today's policy against the behaviour policy's routing, before the update
+                sub = full if train.drift_subsample == 1 else programs.take(full, drift_rows)
+                metrics.update(staleness.drift_to_log(programs.drift(state.params, sub)))
+            lag.advance(state.params)
+    with phases("update"):
+        router_before = [jnp.copy(x) for x in optimizer_lib.router_leaves(state.params)]  # the update donates them
+        state, full, step_metrics = _updates(programs, train, state, full, key)
+        if programs.on_policy and not ctx.built.plan.sampler_routing:  # π_old's forward, routed live
+            metrics.update(mismatch.sampler_mismatch(batch, full.old_logp, full.topk))
+        host = [jax.tree.map(float, s) for s in jax.device_get(step_metrics)]  # float64 from here
+        metrics.update(metrics_lib.compute(functools.reduce(metrics_lib.merge, host)))
+    if router_before:  # 0 exactly with `train.freeze_router`
+        router_after = optimizer_lib.router_leaves(state.params)
+        metrics["router_update_norm"] = float(optimizer_lib.distance(router_before, router_after))
+    if metrics["skipped"]:
+        what = "iteration %d: %d of %d updates skipped (non-finite loss, gradient or update)"
+        log.warning(what, iteration, metrics["skipped"], train.epochs * train.minibatches)
+    with phases("drift"):
+        if train.drift_metrics:
+            sub = full if train.drift_subsample == 1 else programs.take(full, drift_rows)
+            drift = programs.drift(state.params, sub)
+            metrics.update(routing.drift_to_log(drift))
+            if (loads := routing.expert_loads(drift)) is not None:
+                metrics["expert_loads"] = loads  # not a scalar: the run writes it to routing.jsonl
+    metrics.update(phases.metrics())
+    return state, metrics
+
+
+def _updates(programs: Programs, train: TrainConfig, state: TrainState, full: TrainBatch, key):
+    """`train.epochs` × `train.minibatches` shuffled minibatches of `train_step`: (state, the batch with what an
+    on-policy update scored at π_old filled in, each update's metrics left on the device)."""
+    B, num_mb = full.tokens.shape[0], train.minibatches
     mb_size = B // num_mb
     step_metrics = []  # left on the device until every update is dispatched: no host sync in the loop
-    for epoch in range(t.epochs):
+    for epoch in range(train.epochs):
         perm = np.asarray(jax.random.permutation(jax.random.fold_in(key, 1 + epoch), B))
         for m in range(num_mb):
             idx = perm[m * mb_size : (m + 1) * mb_size]
@@ -77,48 +118,24 @@ def rl_iteration(
             if scored is not None:  # the only update: its forward scored π_old, in the minibatch's order
                 scored = programs.take_scored(scored, np.argsort(idx))
                 full = full.replace(**scored._asdict())
-    if programs.on_policy and t.routing_replay not in config_lib.SAMPLER_ROUTING:  # π_old's forward, routed live
-        metrics.update(mismatch.sampler_mismatch(batch, full.old_logp, full.topk))
-    host = [jax.tree.map(float, s) for s in jax.device_get(step_metrics)]  # float64 from here
-    metrics.update(metrics_lib.compute(functools.reduce(metrics_lib.merge, host)))
-    t_updates = time.perf_counter() - t0 - t_rollout - t_logprobs - t_stale  # synchronised: metrics on the host
-    if router_before:  # 0 exactly with `train.freeze_router`
-        router_after = optimizer_lib.router_leaves(state.params)
-        metrics["router_update_norm"] = float(optimizer_lib.distance(router_before, router_after))
-    if metrics["skipped"]:
-        what = "iteration %d: %d of %d updates skipped (non-finite loss, gradient or update)"
-        log.warning(what, iteration, metrics["skipped"], t.epochs * num_mb)
-    t_drift = time.perf_counter()
-    if t.drift_metrics:
-        sub = full if t.drift_subsample == 1 else programs.take(full, drift_rows)
-        drift = programs.drift(state.params, sub)
-        metrics.update(routing.drift_to_log(drift))
-        if (loads := routing.expert_loads(drift)) is not None:
-            metrics["expert_loads"] = loads  # not a scalar: the run writes it to routing.jsonl
-    metrics.update(
-        rollout_seconds=t_rollout,
-        logprob_seconds=t_logprobs,
-        update_seconds=t_updates,
-        drift_seconds=time.perf_counter() - t_drift + t_stale,
-        iteration_seconds=time.perf_counter() - t0,
-    )
-    return state, metrics
+    return state, full, step_metrics
 
 
-def prepare_batch(programs: Programs, params, batch, t: TrainConfig, ref_params) -> tuple[TrainBatch, dict[str, float]]:
+def prepare_batch(ctx: RunContext, params, batch) -> tuple[TrainBatch, dict[str, float]]:
     """The rollout on the mesh: π_old's routing from the sampler (R3) or the trainer (R2, none), π_old's
-    log-probs from `t.old_logp_source` (the trainer's scored under that same routing, so the update's
+    log-probs from `train.old_logp_source` (the trainer's scored under that same routing, so the update's
     ratio is exactly 1 at θ_old), π_ref's log-probs when there is a reference; and the sampler–trainer
     mismatch against the trainer's live routing (`mismatch.sampler_mismatch`), empty when the update's
     own forward will measure it (`rl_iteration`). With
     `programs.on_policy` the trainer's log-probs (and, but under R3 / R3W, its routing) are left for the
     update's own forward to fill in. For RSPO off that path, π_old's scoring forward also gives its router
     log-probs at `topk` (`programs.score_router`)."""
+    programs, plan, train = ctx.programs, ctx.built.plan, ctx.built.train
     sh = programs.batch_shardings
     tokens = jax.device_put(batch.tokens, sh.tokens)
     positions = jax.device_put(_positions(batch.prompt_mask, batch.completion_mask), sh.positions)
-    sampler_logp, r3 = batch.sampler_logp, t.routing_replay in config_lib.SAMPLER_ROUTING
-    gates = batch.gates if t.routing_replay == "R3W" else None
+    sampler_logp, r3 = batch.sampler_logp, plan.sampler_routing
+    gates = batch.gates if plan.weight_replay else None
     logp_live = old_router = None
     measured: dict[str, float] = {}
     rspo = programs.score_router is not None  # π_old's router log-probs at `topk`, from π_old's forward
@@ -136,11 +153,12 @@ def prepare_batch(programs: Programs, params, batch, t: TrainConfig, ref_params)
         forced = (topk, gates) if gates is not None else topk
         if r3 and rspo:  # π_old under the replayed routing, with its router log-probs
             logp_replayed, _, old_router = programs.score_router(params, tokens, positions, forced)
-        elif r3 and t.old_logp_source == "trainer":
+        elif r3 and train.old_logp_source == "trainer":
             logp_replayed = programs.score_replayed(params, tokens, positions, forced)[0]
-        if t.old_logp_source == "trainer":  # π_old under the routing the update replays
+        if train.old_logp_source == "trainer":  # π_old under the routing the update replays
             old_logp = logp_replayed if r3 else logp_live
-    ref_logp = jnp.zeros_like(old_logp) if ref_params is None else programs.score(ref_params, tokens, positions)[0]
+    ref = ctx.reference
+    ref_logp = jnp.zeros_like(old_logp) if ref is None else programs.score(ref, tokens, positions)[0]
     given = dict(tokens=tokens, positions=positions, completion_mask=batch.completion_mask, loss_mask=batch.loss_mask)
     given.update(old_logp=old_logp, sampler_logp=sampler_logp, ref_logp=ref_logp, topk=topk, gates=gates)
     given.update(old_router_logp=old_router)

@@ -14,23 +14,14 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from gspo_jax import built as built_lib
 from gspo_jax import compiles, hf, routing
-from gspo_jax import config as config_lib
 from gspo_jax import critic as critic_lib
 from gspo_jax import model as model_lib
 from gspo_jax import optimizer as optimizer_lib
 from gspo_jax import sharding as sharding_lib
 from gspo_jax.compiles import Program
-from gspo_jax.train import (
-    Schedules,
-    Scored,
-    StepConfig,
-    TrainBatch,
-    TrainState,
-    carries_old_router,
-    shares_old_forward,
-    train_step,
-)
+from gspo_jax.train import Schedules, Scored, StepConfig, TrainBatch, TrainState, train_step
 
 
 class Programs(NamedTuple):
@@ -50,16 +41,16 @@ class Programs(NamedTuple):
     batch_shardings: TrainBatch
     mesh: jax.sharding.Mesh  # the one every program's shardings are on
     # (params, tokens, positions, None or as score_replayed's) -> (logp, topk, router log-probs at topk
-    # [B, L, T, K]): π_old's scoring with its router, for RSPO (`train.carries_old_router`); else None
+    # [B, L, T, K]): π_old's scoring with its router, for RSPO (`Plan.old_router`); else None
     score_router: Program | None = None
 
     @property
     def on_policy(self) -> bool:
-        """π_old's log-probs come from the update's forward (`train.shares_old_forward`)."""
+        """π_old's log-probs come from the update's forward (`Plan.on_policy`)."""
         return self.step_config.on_policy
 
 
-def init_policy(built: config_lib.Built, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphDef, nnx.State]:
+def init_policy(built: built_lib.Built, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, params on the mesh): from `hf_checkpoint`, or a random init from `seed`."""
     model_cfg = built.model
     if built.hf_checkpoint:
@@ -71,9 +62,9 @@ def init_policy(built: config_lib.Built, mesh: jax.sharding.Mesh) -> tuple[nnx.G
     return model_lib.init(model_cfg, built.seed, shardings)
 
 
-def compile_programs(built: config_lib.Built, graphdef, params, mesh: jax.sharding.Mesh) -> Programs:
+def compile_programs(built: built_lib.Built, graphdef, params, mesh: jax.sharding.Mesh) -> Programs:
     """Jits `train_step`, the scoring forward and the drift measurement for this run's shapes."""
-    t = built.train
+    train = built.train
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     param_sh = sharding_lib.param_shardings(mesh, params)
     tx = optimizer_lib.make_optimizer(built.optimizer.rule)
@@ -82,33 +73,20 @@ def compile_programs(built: config_lib.Built, graphdef, params, mesh: jax.shardi
     # Module-level functions with their static arguments marked, not closures: equal configs (a run
     # resumed in the same process) reuse the compilation.
     on_mesh = functools.partial(sharding_lib.under_mesh, mesh=mesh)
-    critic_cfg = built.critic
-    old_router = carries_old_router(built)
-    batch_sh = TrainBatch.shardings(
-        mesh, bool(critic_cfg), weight_replay=t.routing_replay == "R3W", old_router=old_router
-    )
+    critic_cfg, plan = built.critic, built.plan
+    batch_sh = TrainBatch.shardings(mesh, bool(critic_cfg), plan.weight_replay, plan.old_router)
     scored_sh = Scored(old_logp=batch_sh.old_logp, topk=batch_sh.topk)
     options = compiles.step_options(built.cpu_fast_compile)  # XLA:CPU's fast-compile code generation or not
     critic_static = estimate = init_critic = None
     if critic_cfg:
         critic_static, critic_sh, estimate, init_critic = _critic_programs(built, mesh, batch_sh, options)
         state_sh = state_sh.replace(critic=critic_sh)
-    temperature = float(built.rollout.temperature) or 1.0  # greedy rollouts are scored at temperature 1
-    static = StepConfig(
-        graphdef=graphdef,
-        loss=built.loss,
-        optimizer=built.optimizer.rule,
-        temperature=temperature,
-        replay=t.routing_replay,
-        microbatches=built.microbatches,
-        routing_diagnostics=t.routing_diagnostics,
-        on_policy=shares_old_forward(t, built.loss, critic_cfg, built.rollout.staleness),
-        critic=critic_static,
-    )
+    temperature = plan.scoring_temperature
+    static = StepConfig.of(built, graphdef, critic_static)
     # Host scalars until the step's first call places them (`Program.args_sharding`): a deviceless
     # AOT compile has no device to put them on.
-    critic_schedule = built.critic_optimizer.schedule(t.updates) if critic_cfg else None
-    schedules = Schedules(built.optimizer.schedule(t.updates), critic_schedule)
+    critic_schedule = built.critic_optimizer.schedule(train.updates) if critic_cfg else None
+    schedules = Schedules(built.optimizer.schedule(train.updates), critic_schedule)
     step = jax.jit(
         on_mesh(train_step),
         static_argnums=0,
@@ -118,7 +96,7 @@ def compile_programs(built: config_lib.Built, graphdef, params, mesh: jax.shardi
         compiler_options=options,
     )
     score, score_replayed, score_router = _scoring_programs(
-        mesh, param_sh, batch_sh, options, graphdef, temperature, old_router
+        mesh, param_sh, batch_sh, options, graphdef, temperature, plan.old_router
     )
     drift = jax.jit(
         on_mesh(routing.measure_drift),
@@ -133,7 +111,7 @@ def compile_programs(built: config_lib.Built, graphdef, params, mesh: jax.shardi
         take_scored=jax.jit(take_rows, in_shardings=(scored_sh, rep), out_shardings=scored_sh),
         score=score,
         score_replayed=score_replayed,
-        drift=Program(drift, graphdef, temperature, t.routing_diagnostics),
+        drift=Program(drift, graphdef, temperature, train.routing_diagnostics),
         estimate=estimate,
         init_critic=init_critic,
         step_config=static,
@@ -145,7 +123,7 @@ def compile_programs(built: config_lib.Built, graphdef, params, mesh: jax.shardi
     )
 
 
-def _critic_programs(built: config_lib.Built, mesh, batch_sh: TrainBatch, options):
+def _critic_programs(built: built_lib.Built, mesh, batch_sh: TrainBatch, options):
     """PPO's critic: its step's static half, its state's shardings, the advantage estimate and its init."""
     critic_cfg, rep = built.critic, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
     critic_graphdef, abstract_critic = critic_lib.abstract(critic_cfg.model)
@@ -187,17 +165,17 @@ def _scoring_programs(mesh, param_sh, batch_sh: TrainBatch, options, graphdef, t
     return score, score_replayed, score_router
 
 
-def compile_in_background(programs: Programs, built: config_lib.Built, params) -> Programs:
+def compile_in_background(programs: Programs, built: built_lib.Built, params) -> Programs:
     """`programs` with the train step and the drift measurement compiled now, on a background thread, for
     the shapes `iteration.rl_iteration` calls them with, while the run initialises, evaluates and samples
     its first rollout (on 2 CPU cores the `iteration` shape's first row comes ~1 s sooner)."""
-    t, B, T = built.train, built.batch_size, built.sampler.seq_len
+    train, B, T = built.train, built.batch_size, built.sampler.seq_len
     batch = lambda rows: sharding_lib.abstract(TrainBatch.abstract(built, rows, T), programs.batch_shardings)
-    step = programs.train_step.in_background(abstract_train_state(programs, params), batch(B // t.minibatches))
-    if not t.drift_metrics:
+    step = programs.train_step.in_background(abstract_train_state(programs, params), batch(B // train.minibatches))
+    if not train.drift_metrics:
         return programs._replace(train_step=step)
     abstract_params = sharding_lib.abstract(params, programs.state_shardings.params)
-    drift = programs.drift.in_background(abstract_params, batch(B // t.drift_subsample))
+    drift = programs.drift.in_background(abstract_params, batch(B // train.drift_subsample))
     return programs._replace(train_step=step, drift=drift)
 
 

@@ -228,7 +228,7 @@ def opt_state_shardings(mesh: Mesh, opt_state_abstract, param_shardings_tree):
 
 def batch_sharding(mesh: Mesh, ndim: int) -> NamedSharding:
     """Leading (batch) dimension over every data axis (`DATA_AXES`); the rest replicated.
-    `config.build` checks that their product divides every batch a run splits."""
+    `built.build` checks that their product divides every batch a run splits."""
     return NamedSharding(mesh, P(DATA_AXES, *([None] * (ndim - 1))))
 
 

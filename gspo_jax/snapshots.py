@@ -26,6 +26,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 from flax import nnx
 
+from gspo_jax import built as built_lib
 from gspo_jax import compiles, routing
 from gspo_jax import config as config_lib
 from gspo_jax import model as model_lib
@@ -79,12 +80,12 @@ def _with_defaults(recorded: dict) -> dict:
     return merge(base, recorded)
 
 
-def _build_here(config: ml_collections.ConfigDict) -> config_lib.Built:
-    """`config_lib.build` with the mesh of this process's one device: the run's own mesh may need
+def _build_here(config: ml_collections.ConfigDict) -> built_lib.Built:
+    """`built_lib.build` with the mesh of this process's one device: the run's own mesh may need
     devices this machine lacks, and snapshots are read onto one device."""
     local = ml_collections.ConfigDict(config.to_dict())
     local.mesh = dict(data=1, fsdp=1, expert=1, tensor=1)
-    return config_lib.build(local, device_count=len(jax.devices()))
+    return built_lib.build(local, device_count=len(jax.devices()))
 
 
 def open_run(workdir: str | os.PathLike) -> Run:

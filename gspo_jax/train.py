@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx, struct
 
-from gspo_jax import config as config_lib
+from gspo_jax import built as built_lib
 from gspo_jax import critic as critic_lib
 from gspo_jax import losses, mismatch, routing
 from gspo_jax import metrics as metrics_lib
@@ -21,7 +21,6 @@ from gspo_jax import model as model_lib
 from gspo_jax import optimizer as optimizer_lib
 from gspo_jax import router_shift as router_shift_lib
 from gspo_jax import sharding as sharding_lib
-from gspo_jax.config import TrainConfig
 from gspo_jax.metrics import Count, Mean, Sum
 
 Array = jax.Array
@@ -69,15 +68,15 @@ class TrainBatch:
     @staticmethod
     def spec(critic: bool, weight_replay: bool = False, old_router: bool = False) -> dict[str, tuple[Any, str]]:
         """Each field's (dtype, axes); the critic's fields only with one, the gates only under R3W, π_old's
-        router log-probs only when RSPO needs them (`carries_old_router`)."""
+        router log-probs only when RSPO needs them (`Plan.old_router`)."""
         spec = {**_FIELDS, **(_CRITIC_FIELDS if critic else {}), **(_WEIGHT_REPLAY_FIELDS if weight_replay else {})}
         return {**spec, **(_OLD_ROUTER_FIELDS if old_router else {})}
 
     @classmethod
-    def abstract(cls, built: config_lib.Built, B: int, T: int) -> TrainBatch:
+    def abstract(cls, built: built_lib.Built, B: int, T: int) -> TrainBatch:
         """B sequences of T tokens as shapes and dtypes (ahead-of-time lowering)."""
         dims = dict(B=B, T=T, L=built.model.num_moe_layers, K=max(built.model.top_k, 1))
-        spec = cls.spec(bool(built.critic), built.train.routing_replay == "R3W", carries_old_router(built))
+        spec = cls.spec(bool(built.critic), built.plan.weight_replay, built.plan.old_router)
         return cls(**{k: _shaped(f, dims, jax.ShapeDtypeStruct) for k, f in spec.items()})
 
     @classmethod
@@ -110,52 +109,39 @@ class StepConfig:
     loss: losses.LossConfig
     optimizer: optimizer_lib.AdamW  # its schedule is an argument (`Schedules`)
     temperature: float  # log-probs are scored at the sampling temperature
-    replay: str  # config.REPLAY: route with the batch's top-k (R2 / R3) instead of the live router
-    microbatches: int
+    microbatches: int  # per update (`Plan.update_microbatches`)
+    forces_routing: bool = False  # route with the batch's top-k, not the live router (`Plan.forces_routing`)
+    weight_replay: bool = False  # ... and with the batch's combine weights (R3W)
     routing_diagnostics: bool = False  # the flipped-vs-unflipped split of the loss's diagnostics
-    # The update is the only one on its batch and starts at π_old (`shares_old_forward`): its own
+    # The update is the only one on its batch and starts at π_old (`Plan.on_policy`): its own
     # forward gives π_old's log-probs and routing (old_logp = stop_gradient(logp), exactly ratio 1),
     # and the step returns them, so the batch needs no separate scoring forward.
     on_policy: bool = False
     critic: critic_lib.CriticStep | None = None  # PPO: the critic's update, on the same micro-batches
 
+    @classmethod
+    def of(cls, built: built_lib.Built, graphdef, critic: critic_lib.CriticStep | None = None) -> StepConfig:
+        """A built config's step."""
+        plan = built.plan
+        return cls(
+            graphdef=graphdef,
+            loss=built.loss,
+            optimizer=built.optimizer.rule,
+            temperature=plan.scoring_temperature,
+            microbatches=plan.update_microbatches,
+            forces_routing=plan.forces_routing,
+            weight_replay=plan.weight_replay,
+            routing_diagnostics=built.train.routing_diagnostics,
+            on_policy=plan.on_policy,
+            critic=critic,
+        )
 
-def shares_old_forward(
-    t: TrainConfig,
-    loss_cfg: losses.LossConfig | None = None,
-    critic_cfg: critic_lib.CriticConfig | None = None,
-    staleness: int = 0,
-) -> bool:
-    """Whether π_old's log-probs can come from the update's own forward instead of a scoring pass:
-    one update per batch (epochs = minibatches = 1), recomputed by the trainer, under the routing the
-    update uses (live; R2 replays π_old's own routing, which the forward at π_old chooses anyway; R3
-    replays the sampler's, and π_old is scored under it too), and no masked-IS correction (its mask
-    changes the loss denominator, which must be known before the first micro-batch), and no KL
-    penalty in a critic's rewards (GAE needs π_old's log-probs before the update), and no staleness
-    (`rollout.staleness`: the update starts at today's policy, π_old is an older one)."""
-    mis = loss_cfg is not None and loss_cfg.is_correction == "mis"
-    kl_reward = critic_cfg is not None and critic_cfg.kl_reward_coef > 0
-    single = t.epochs * t.minibatches == 1 and staleness == 0
-    return single and t.old_logp_source == "trainer" and not mis and not kl_reward
-
-
-def carries_old_router(built: config_lib.Built) -> bool:
-    """Whether the batch carries π_old's router log-probs (`old_router_logp`, from π_old's scoring forward):
-    RSPO's router-shift ratio off the on-policy path (on it the update's own forward is π_old's)."""
-    on_policy = shares_old_forward(built.train, built.loss, built.critic, built.rollout.staleness)
-    return built.loss.router_shift and not on_policy
-
-
-def forces_routing(replay: str, on_policy: bool) -> bool:
-    """Whether the update routes with the batch's top-k: R3 / R3W always (the sampler's routing); R2 only
-    off the on-policy path (there the forward at π_old chooses π_old's routing itself)."""
-    return replay in config_lib.SAMPLER_ROUTING or (replay == "R2" and not on_policy)
-
-
-def forced_routing(replay: str, batch: TrainBatch):
-    """What the model's forward replays (`model.apply`'s `forced_topk`): the expert ids, and under R3W
-    the pair (ids, their combine weights)."""
-    return (batch.topk, batch.gates) if replay == "R3W" else batch.topk
+    def forced_routing(self, batch: TrainBatch):
+        """What the update's forward replays (`model.apply`'s `forced_topk`): None (the live router),
+        the batch's expert ids, or under R3W the pair (ids, their combine weights)."""
+        if not self.forces_routing:
+            return None
+        return (batch.topk, batch.gates) if self.weight_replay else batch.topk
 
 
 class Schedules(NamedTuple):
@@ -184,56 +170,14 @@ def train_step(
     (`metrics.per_update`). With `static.on_policy`, `batch.old_logp` and `batch.topk` are not read:
     the forward provides them, and they come back as `Scored`. With `static.critic` (PPO) the critic
     is updated too, on the same micro-batches, with its own optimizer (`critic.update`)."""
-    cfg, M = static.loss, static.microbatches
     tx = optimizer_lib.make_optimizer(static.optimizer)
-    correct = lambda old_BT, b: mismatch.corrections(cfg, old_BT, b.sampler_logp, b.loss_mask)
     # MIS drops tokens from the denominator too: it is the minibatch's, corrected (never on-policy).
     # The masks (IcePop, geometric, off-policy) zero losses inside it: they leave it as it is.
-    denom = losses.loss_denominator(cfg, correct(batch.old_logp, batch).mask_BT)
-    micro = jax.tree.map(lambda x: model_lib.split_batch(x, M), batch)  # strided: see `split_batch`
-
+    denom = losses.loss_denominator(static.loss, _corrections(static.loss, batch.old_logp, batch).mask_BT)
+    micro = jax.tree.map(lambda x: model_lib.split_batch(x, static.microbatches), batch)  # strided: `split_batch`
     # π_θ's routing against π_old's, per token: on-policy they are the same policy, so nothing to split.
     split = static.routing_diagnostics and not static.on_policy and batch.topk.shape[1] > 0
-
-    def loss_fn(params, mb: TrainBatch):
-        forced = forced_routing(static.replay, mb) if forces_routing(static.replay, static.on_policy) else None
-        router_logits = (split and forced is not None) or cfg.router_shift
-        logp_BT, aux = model_lib.logprobs(
-            static.graphdef, params, mb.tokens, mb.positions, forced, static.temperature, router_logits
-        )
-        old_BT = jax.lax.stop_gradient(logp_BT) if static.on_policy else mb.old_logp
-        ref_BT = mb.ref_logp if cfg.kl_coef > 0 else None
-        c = correct(old_BT, mb)
-        flipped_BT = None
-        if split:  # under replay the forward used π_old's routing; the router's own choice is its top-k
-            own_BLTK = aux.topk if forced is None else jax.lax.top_k(aux.router_logits, mb.topk.shape[-1])[1]
-            flipped_BT = routing.flipped_tokens(mb.topk, own_BLTK)
-        keep, more = c.keep, dict(c.metrics)
-        if cfg.off_policy_mask_delta is not None:  # DeepSeek-V3.2: by π_θ, so here, not in the denominator
-            opsm_keep, opsm = mismatch.off_policy_mask(
-                cfg.off_policy_mask_delta, logp_BT, mb.sampler_logp, mb.advantages, c.mask_BT
-            )
-            keep = mismatch.and_keep(keep, opsm_keep)
-            more.update(opsm)
-        gamma_BT = None
-        if cfg.router_shift:  # RSPO: the router on π_old's experts now against then (on-policy: the same)
-            at_BLTK = aux.topk if static.on_policy else mb.topk
-            new_BLTK = router_shift_lib.expert_logprobs(aux.router_logits, at_BLTK)
-            old_BLTK = jax.lax.stop_gradient(new_BLTK) if static.on_policy else mb.old_router_logp
-            shift = router_shift_lib.shift_weight(new_BLTK, old_BLTK, c.mask_BT, cfg.router_shift_floor)
-            gamma_BT = shift.weight_BT
-            more.update(shift.metrics)
-        given = dict(old_logp=old_BT, advantages=mb.advantages, mask=c.mask_BT, ref_logp=ref_BT)
-        given.update(is_weight=c.weight, keep=keep, router_shift=gamma_BT)
-        pl = functools.partial(losses.policy_loss, cfg, **given, denominator=denom)
-        loss, metrics = pl(logp_BT, flipped=flipped_BT)
-        if split:  # each token's |∂loss/∂logp_t|: how much of the update flipped tokens drive
-            g_BT = jnp.abs(jax.grad(lambda lp: pl(lp)[0])(jax.lax.stop_gradient(logp_BT)))
-            metrics["grad_share_flipped"] = Mean(jnp.sum(jnp.where(flipped_BT, g_BT, 0.0)), jnp.sum(g_BT), math.nan)
-        metrics.update(more)
-        total = loss + aux.aux_loss / M
-        metrics.update(lb_loss=Mean(aux.lb_loss, 1), z_loss=Mean(aux.z_loss, 1), total_loss=Sum(total))
-        return total, (metrics, Scored(old_BT, aux.topk))
+    loss_fn = functools.partial(_loss, static, denom, split)
 
     def accumulate(grads, mb):
         (_, (metrics, scored)), g = jax.value_and_grad(loss_fn, has_aux=True)(state.params, mb)
@@ -257,3 +201,73 @@ def train_step(
         state = state.replace(critic=critic_state)
         metrics.update(critic_metrics)
     return state, metrics_lib.per_update(metrics), scored
+
+
+def _loss(static: StepConfig, denom, split: bool, params, mb: TrainBatch):
+    """One micro-batch's loss (its share of the minibatch's, over `denom`), its metrics, and what its
+    forward scored at π_old (`Scored`; used on the on-policy path)."""
+    cfg, forced = static.loss, static.forced_routing(mb)
+    router_logits = (split and forced is not None) or cfg.router_shift
+    logp_BT, aux = model_lib.logprobs(
+        static.graphdef, params, mb.tokens, mb.positions, forced, static.temperature, router_logits
+    )
+    old_BT = jax.lax.stop_gradient(logp_BT) if static.on_policy else mb.old_logp
+    corr = _corrections(cfg, old_BT, mb)
+    keep, more = _keep(cfg, corr, logp_BT, mb)
+    gamma_BT = _router_shift(static, aux, mb, corr.mask_BT, more)
+    weights = losses.LossWeights(is_weight=corr.weight, keep=keep, router_shift=gamma_BT)
+    ref_BT = mb.ref_logp if cfg.kl_coef > 0 else None
+    given = dict(old_logp=old_BT, advantages=mb.advantages, mask=corr.mask_BT, ref_logp=ref_BT, weights=weights)
+    pl = functools.partial(losses.policy_loss, cfg, **given, denominator=denom)
+    flipped_BT = _flipped(aux, mb, forced) if split else None
+    loss, metrics = pl(logp_BT, flipped=flipped_BT)
+    if split:  # each token's |∂loss/∂logp_t|: how much of the update flipped tokens drive
+        metrics["grad_share_flipped"] = _grad_share(pl, logp_BT, flipped_BT)
+    metrics.update(more)
+    total = loss + aux.aux_loss / static.microbatches
+    metrics.update(lb_loss=Mean(aux.lb_loss, 1), z_loss=Mean(aux.z_loss, 1), total_loss=Sum(total))
+    return total, (metrics, Scored(old_BT, aux.topk))
+
+
+def _corrections(cfg: losses.LossConfig, old_BT, mb: TrainBatch) -> mismatch.Correction:
+    """The sampler–trainer correction and the masks π_old and π_sampler decide (`mismatch.corrections`)."""
+    return mismatch.corrections(cfg, old_BT, mb.sampler_logp, mb.loss_mask)
+
+
+def _keep(cfg: losses.LossConfig, corr: mismatch.Correction, logp_BT, mb: TrainBatch):
+    """The tokens or sequences whose loss counts, and the masks' metrics: the correction's masks, and
+    DeepSeek-V3.2's off-policy mask, which is by π_θ, so here, not in the denominator."""
+    keep, more = corr.keep, dict(corr.metrics)
+    if cfg.off_policy_mask_delta is not None:
+        opsm_keep, opsm = mismatch.off_policy_mask(
+            cfg.off_policy_mask_delta, logp_BT, mb.sampler_logp, mb.advantages, corr.mask_BT
+        )
+        keep = mismatch.and_keep(keep, opsm_keep)
+        more.update(opsm)
+    return keep, more
+
+
+def _router_shift(static: StepConfig, aux, mb: TrainBatch, mask_BT, metrics: dict):
+    """RSPO's weight γ̃ ([B, T]): the router on π_old's experts now against then (on-policy: the same
+    policy, so 1); None without `loss.router_shift`. Its metrics go into `metrics`."""
+    if not static.loss.router_shift:
+        return None
+    at_BLTK = aux.topk if static.on_policy else mb.topk
+    new_BLTK = router_shift_lib.expert_logprobs(aux.router_logits, at_BLTK)
+    old_BLTK = jax.lax.stop_gradient(new_BLTK) if static.on_policy else mb.old_router_logp
+    shift = router_shift_lib.shift_weight(new_BLTK, old_BLTK, mask_BT, static.loss.router_shift_floor)
+    metrics.update(shift.metrics)
+    return shift.weight_BT
+
+
+def _flipped(aux, mb: TrainBatch, forced):
+    """Tokens whose routing under π_θ differs from π_old's; under replay the forward used π_old's
+    routing, so the router's own choice is its top-k."""
+    own_BLTK = aux.topk if forced is None else jax.lax.top_k(aux.router_logits, mb.topk.shape[-1])[1]
+    return routing.flipped_tokens(mb.topk, own_BLTK)
+
+
+def _grad_share(pl, logp_BT, flipped_BT) -> Mean:
+    """The share of Σ_t |∂loss/∂logp_t| that falls on flipped tokens."""
+    g_BT = jnp.abs(jax.grad(lambda lp: pl(lp)[0])(jax.lax.stop_gradient(logp_BT)))
+    return Mean(jnp.sum(jnp.where(flipped_BT, g_BT, 0.0)), jnp.sum(g_BT), math.nan)

@@ -2,7 +2,7 @@
 value and what is allowed — "LossConfig.eps_low=-1 is not allowed; it must be a finite number >= 0".
 
 Every config dataclass (model, loss, rollout, tasks) and the sampler check their arguments with these
-helpers at construction, before any array is touched; `config.build` prefixes the config key.
+helpers at construction, before any array is touched; `built.build` prefixes the config key.
 """
 
 from __future__ import annotations

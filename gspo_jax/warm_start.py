@@ -17,8 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from gspo_jax import built as built_lib
 from gspo_jax import compiles
-from gspo_jax import config as config_lib
 from gspo_jax import model as model_lib
 from gspo_jax import optimizer as optimizer_lib
 from gspo_jax import sharding as sharding_lib
@@ -41,7 +41,7 @@ def sft_step(graphdef, tx, schedule, params, opt_state, tokens_BT, positions_BT,
 
 
 def warm_start(
-    built: config_lib.Built, graphdef, params, *, mesh, rollout: Rollout, workdir: Path
+    built: built_lib.Built, graphdef, params, *, mesh, rollout: Rollout, workdir: Path
 ) -> tuple[Any, dict[str, float]]:
     """The warm-started parameters (sharded like `params`) and what to log about it; from the cache
     (named by `built.warm_start_key`) when an identical warm start already ran.
@@ -74,7 +74,7 @@ def demonstration_ids(ids: list[int], eos: int, budget: int) -> list[int]:
 
 
 def train_on_demonstrations(
-    built: config_lib.Built, graphdef, params, *, mesh, rollout: Rollout
+    built: built_lib.Built, graphdef, params, *, mesh, rollout: Rollout
 ) -> tuple[Any, dict[str, float]]:
     """`warm_start.steps` supervised steps on batches of (prompt, demonstration + EOS)."""
     w, task, tokenizer = built.warm_start, rollout.task, rollout.tokenizer

@@ -24,7 +24,7 @@ from absl import app, flags  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
 from gspo_jax import aot  # noqa: E402
-from gspo_jax import config as config_lib  # noqa: E402
+from gspo_jax import built as built_lib  # noqa: E402
 from gspo_jax.exit_codes import EXIT_REFUSED  # noqa: E402
 from gspo_jax.validation import ConfigError  # noqa: E402
 
@@ -47,8 +47,9 @@ def main(argv):
         configs = [aot.with_mesh(_CONFIG.value, m) for m in _MESH.value] or [_CONFIG.value]
         for i, config in enumerate(configs):
             layout_rows = aot.compile_report(config, _TOPOLOGY.value, tuple(_PROGRAMS.value))
-            # The update's micro-batches as resolved for this slice (`config.update_microbatches`).
-            micro = config_lib.build(config, device_count=len(aot.topology_devices(_TOPOLOGY.value))).microbatches
+            # The update's micro-batches as resolved for this slice (`Plan.update_microbatches`).
+            devices = len(aot.topology_devices(_TOPOLOGY.value))
+            micro = built_lib.build(config, device_count=devices).plan.update_microbatches
             table = aot.format_report(layout_rows, _TOPOLOGY.value, micro, config.model.remat).splitlines()
             print("\n".join(table if i == 0 else table[2:]), flush=True)  # one header for every layout
             rows += layout_rows

@@ -41,6 +41,7 @@ from absl import app, flags  # noqa: E402
 from absl import logging as absl_logging  # noqa: E402
 from ml_collections import config_flags  # noqa: E402
 
+from gspo_jax import built as built_lib  # noqa: E402
 from gspo_jax import config as config_lib  # noqa: E402
 from gspo_jax import multihost  # noqa: E402
 from gspo_jax.compiles import use_persistent_cache  # noqa: E402
@@ -146,9 +147,9 @@ def main(argv):
         refuse("--config and --workdir are required")
     if _LOG_EVERY.value < 1:
         refuse(f"--log_every={_LOG_EVERY.value}: must be >= 1")
-    start_processes()  # before anything touches a JAX backend (config.build does)
+    start_processes()  # before anything touches a JAX backend (built.build does)
     try:
-        built = config_lib.build(_CONFIG.value)  # every check, before any work; the run reads only this
+        built = built_lib.build(_CONFIG.value)  # every check, before any work; the run reads only this
     except ValueError as e:
         refuse(str(e))
     if _COMPILATION_CACHE.value:

@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 
 from gspo_jax import aot, flops
-from gspo_jax.config import base_config, build
+from gspo_jax.built import build
+from gspo_jax.config import base_config
 from gspo_jax.validation import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]

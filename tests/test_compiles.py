@@ -10,7 +10,8 @@ import pytest
 
 from gspo_jax import compiles
 from gspo_jax import programs as programs_lib
-from gspo_jax.config import base_config, build
+from gspo_jax.built import build
+from gspo_jax.config import base_config
 from gspo_jax.sharding import mesh_from_config
 from gspo_jax.validation import ConfigError
 

@@ -17,8 +17,9 @@ from test_train import Setup, minibatch, small, tiny, values
 from gspo_jax import critic as critic_lib
 from gspo_jax import run as run_lib
 from gspo_jax import train
+from gspo_jax.built import build
 from gspo_jax.checkpoint import Checkpointer
-from gspo_jax.config import base_config, build
+from gspo_jax.config import base_config
 from gspo_jax.validation import ConfigError
 
 
@@ -154,9 +155,9 @@ def test_estimate_with_a_fresh_critic_gives_each_token_its_reward(jit, ppo):
 def test_kl_in_the_reward_needs_the_reference_and_a_scoring_pass(ppo):
     c = tiny("ppo")
     c.train.minibatches = 1
-    assert train.shares_old_forward(build(c).train, build(c).loss, build(c).critic)
+    assert build(c).plan.on_policy and not build(c).plan.reference
     c.critic.kl_reward_coef = 0.05
-    assert not train.shares_old_forward(build(c).train, build(c).loss, build(c).critic)
+    assert not build(c).plan.on_policy and build(c).plan.reference
     s = ppo
     batch = minibatch(s)
     cfg = dataclasses.replace(s.built.critic, kl_reward_coef=0.5, whiten_advantages=False)

@@ -24,8 +24,9 @@ from gspo_jax import checkpoint, sharding, snapshots
 from gspo_jax import model as model_lib
 from gspo_jax import programs as programs_lib
 from gspo_jax import workdir as workdir_lib
+from gspo_jax.built import build
 from gspo_jax.checkpoint import _COMMIT_MARKER, Checkpointer
-from gspo_jax.config import as_json, base_config, build
+from gspo_jax.config import as_json, base_config
 from gspo_jax.tasks import prompt_iterator
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -62,7 +62,7 @@ def fake_rollout(s: Setup, seed=0):
 
 def first_update(s: Setup, rollout):
     """The batch as the trainer prepares it and the metrics of the first update on it (made at θ_old)."""
-    full, metrics = iteration_lib.prepare_batch(s.programs, s.params, rollout, s.built.train, None)
+    full, metrics = iteration_lib.prepare_batch(s.context(), s.params, rollout)
     rows = np.arange(s.mb_size)
     _, step, _ = s.programs.train_step(s.state(), s.programs.take(full, rows))
     return full, values(step), metrics

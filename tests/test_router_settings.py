@@ -12,8 +12,9 @@ from test_train import Setup, minibatch, small, values
 
 from gspo_jax import optimizer as optimizer_lib
 from gspo_jax import programs as programs_lib
+from gspo_jax.built import build
 from gspo_jax.checkpoint import Checkpointer
-from gspo_jax.config import base_config, build
+from gspo_jax.config import base_config
 from gspo_jax.validation import ConfigError
 
 

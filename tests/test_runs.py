@@ -24,8 +24,9 @@ from gspo_jax import checkpoint, sharding, train, workdir
 from gspo_jax import iteration as iteration_lib
 from gspo_jax import programs as programs_lib
 from gspo_jax import run as run_lib
+from gspo_jax.built import build, resolve_microbatches
 from gspo_jax.checkpoint import Checkpointer
-from gspo_jax.config import as_json, base_config, build, update_microbatches
+from gspo_jax.config import as_json, base_config
 from gspo_jax.validation import ConfigError
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -146,29 +147,29 @@ def test_mesh_data_axes_must_divide_every_batch():
 
 def test_microbatches_are_raised_to_keep_under_the_token_bound():
     # 128 rows of 80 tokens: 64 rows hold 5,120 tokens, 32 rows 2,560.
-    assert update_microbatches(128, 80, data=1, at_least=1, max_tokens=4096) == 4
-    assert update_microbatches(128, 80, data=1, at_least=1, max_tokens=5120) == 2
-    assert update_microbatches(128, 80, data=1, at_least=8, max_tokens=4096) == 8  # never fewer than asked
-    assert update_microbatches(128, 80, data=1, at_least=1, max_tokens=0) == 1  # 0: no bound
-    assert update_microbatches(128, 80, data=4, at_least=1, max_tokens=4096) == 1  # 32 rows per device
-    assert update_microbatches(128, 80, data=4, at_least=1, max_tokens=1280) == 2  # 16 rows per device
-    assert update_microbatches(12, 80, data=1, at_least=1, max_tokens=250) == 4  # 3 rows, 240 tokens
+    assert resolve_microbatches(128, 80, data=1, at_least=1, max_tokens=4096) == 4
+    assert resolve_microbatches(128, 80, data=1, at_least=1, max_tokens=5120) == 2
+    assert resolve_microbatches(128, 80, data=1, at_least=8, max_tokens=4096) == 8  # never fewer than asked
+    assert resolve_microbatches(128, 80, data=1, at_least=1, max_tokens=0) == 1  # 0: no bound
+    assert resolve_microbatches(128, 80, data=4, at_least=1, max_tokens=4096) == 1  # 32 rows per device
+    assert resolve_microbatches(128, 80, data=4, at_least=1, max_tokens=1280) == 2  # 16 rows per device
+    assert resolve_microbatches(12, 80, data=1, at_least=1, max_tokens=250) == 4  # 3 rows, 240 tokens
     # One row per device is over the bound: the finest split that still covers every device.
-    assert update_microbatches(8, 10_000, data=2, at_least=1, max_tokens=4096) == 4
+    assert resolve_microbatches(8, 10_000, data=2, at_least=1, max_tokens=4096) == 4
 
 
 def test_build_resolves_the_updates_microbatches():
     c = base_config("gspo", "tiny")
-    assert c.train.microbatch_tokens == 4096 and build(c).microbatches == 1  # 4 rows of 32 tokens
+    assert c.train.microbatch_tokens == 4096 and build(c).plan.update_microbatches == 1  # 4 rows of 32 tokens
     c.rollout.update(num_groups=16, group_size=8)
     c.train.minibatches = 1
     c.max_new_tokens = 64  # 128 rows of 24 + 64 = 88 tokens: 32 rows (2,816 tokens) per micro-batch
-    assert build(c).microbatches == 4
+    assert build(c).plan.update_microbatches == 4
     c.train.microbatch_tokens = 0
-    assert build(c).microbatches == 1
+    assert build(c).plan.update_microbatches == 1
     c.mesh.data = 4  # on 4 devices a micro-batch of 32 rows is 8 rows, 704 tokens, per device
     c.train.microbatch_tokens = 1000
-    assert build(c, device_count=4).microbatches == 4
+    assert build(c, device_count=4).plan.update_microbatches == 4
     assert base_config("gspo", "qwen3_30b_a3b").train.microbatch_tokens == 0  # its AOT rows: one micro-batch
 
 
@@ -459,8 +460,8 @@ def test_an_update_that_would_make_parameters_non_finite_is_skipped():
 def _signal_after(monkeypatch, iteration, *signums):
     original = iteration_lib.rl_iteration
 
-    def iteration_then_signal(programs, rollout, config, state, prompts, it, *args):
-        out = original(programs, rollout, config, state, prompts, it, *args)
+    def iteration_then_signal(ctx, state, it):
+        out = original(ctx, state, it)
         if it == iteration:
             for signum in signums:
                 os.kill(os.getpid(), signum)
@@ -495,10 +496,10 @@ def test_after_a_crash_metrics_hold_one_row_per_step(tmp_path, monkeypatch):
     c.train.update(num_iterations=4, checkpoint_every=2)
     original = iteration_lib.rl_iteration
 
-    def crash_in_iteration_3(programs, rollout, config, state, prompts, it, *args):
+    def crash_in_iteration_3(ctx, state, it):
         if it == 3:
             raise RuntimeError("the machine died")
-        return original(programs, rollout, config, state, prompts, it, *args)
+        return original(ctx, state, it)
 
     with monkeypatch.context() as m, pytest.raises(RuntimeError, match="died"):
         m.setattr(iteration_lib, "rl_iteration", crash_in_iteration_3)

@@ -12,8 +12,9 @@ from test_train import _metrics, _sigterm_after, small
 from gspo_jax import iteration as iteration_lib
 from gspo_jax import rollout as rollout_lib
 from gspo_jax import run as run_lib
-from gspo_jax import snapshots, staleness, train
-from gspo_jax.config import base_config, build
+from gspo_jax import snapshots, staleness
+from gspo_jax.built import build
+from gspo_jax.config import base_config
 from gspo_jax.validation import ConfigError
 
 
@@ -37,8 +38,9 @@ def test_staleness_turns_off_the_shared_old_forward():
     """One update per batch shares π_old's forward only when the update starts at π_old."""
     c = base_config("gspo", "tiny")
     c.train.minibatches = 1
-    t = build(c).train
-    assert train.shares_old_forward(t) and not train.shares_old_forward(t, staleness=1)
+    assert build(c).plan.on_policy
+    c.rollout.staleness = 1
+    assert not build(c).plan.on_policy
 
 
 @pytest.mark.parametrize("value", [-1, 1.5, True])
@@ -64,13 +66,13 @@ def _spy(monkeypatch, seen: dict):
         rollout_lib.Rollout.__call__,
     )
 
-    def spied_iteration(programs, rollout, t, state, *args):
+    def spied_iteration(ctx, state, it):
         seen["current"].append(_leaves(state.params))
-        return rl_iteration(programs, rollout, t, state, *args)
+        return rl_iteration(ctx, state, it)
 
-    def prepare(programs, params, *args):
+    def prepare(ctx, params, batch):
         seen["scored"].append(_leaves(params))
-        return prepare_batch(programs, params, *args)
+        return prepare_batch(ctx, params, batch)
 
     def rollout(self, params, *args):
         seen["sampled"].append(_leaves(params))

@@ -369,7 +369,7 @@ def test_the_tiny_sweep_killed_and_restarted_finishes_every_run_once_then_report
 @pytest.mark.parametrize("name", SHIPPED)
 def test_every_shipped_sweep_loads_and_each_arm_builds(name):
     """A renamed config key or a bad value in a shipped sweep fails here, not an hour into the sweep."""
-    from gspo_jax import config as config_lib
+    from gspo_jax import built as built_lib
 
     sweep = sweeps.load_sweep(ROOT / "configs" / "sweeps" / f"{name}.py", ROOT)
     arms = {}
@@ -388,7 +388,7 @@ def test_every_shipped_sweep_loads_and_each_arm_builds(name):
                 node = node[part]
             assert last in node, f"{name}: {run.name}: no such config key {key}"
             node[last] = value
-        config_lib.build(c, device_count=1)
+        built_lib.build(c, device_count=1)
 
 
 def test_report_gives_greedy_and_sampled_gains_per_arm(tmp_path):

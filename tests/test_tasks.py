@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from gspo_jax import built as built_lib
 from gspo_jax import config as config_lib
 from gspo_jax.tasks import (
     BOS_ID,
@@ -740,13 +741,13 @@ def test_naming_a_task_builds_it_from_its_section(name):
     c = config_lib.base_config("gspo", "tiny")
     c.task.name = name
     c.prompt_len = 160  # the longest task's prompts (the GSM8K fixture's) fit
-    task = config_lib.build(c).task
+    task = built_lib.build(c).task
     assert task == TASKS[name](**c.task[name]) and task.name == name
     assert config_lib.task_settings(c) == {"name": name, **c.task[name]}
     for field, value in {"arithmetic": ("operands", 4), "countdown": ("count", 4), "gsm8k": ("holdout", 0.25)}.items():
         if field == name:
             c.task[name][value[0]] = value[1]
-            assert getattr(config_lib.build(c).task, value[0]) == value[1]
+            assert getattr(built_lib.build(c).task, value[0]) == value[1]
 
 
 @pytest.mark.parametrize(
@@ -763,8 +764,8 @@ def test_naming_a_task_builds_it_from_its_section(name):
 def test_a_wrong_task_setting_is_refused_at_build_naming_the_task(mutate, words):
     c = config_lib.base_config("gspo", "tiny")
     mutate(c)
-    with pytest.raises(config_lib.ConfigError) as e:
-        config_lib.build(c)
+    with pytest.raises(built_lib.ConfigError) as e:
+        built_lib.build(c)
     assert words in str(e.value) and "\n" not in str(e.value)
 
 
@@ -785,7 +786,7 @@ def test_the_flagship_size_starts_on_the_shipped_data():
     c = config_lib.base_config("grpo", "qwen3_30b_a3b")
     c.model.num_layers = 2
     c.mesh.update(fsdp=1, expert=1)
-    built = config_lib.build(c, device_count=1)
+    built = built_lib.build(c, device_count=1)
     assert built.task.name == "gsm8k" and built.task.path == ""  # the shipped fixture
     for split in ("train", "eval"):
         assert len(prompt_iterator(built.task, seed=0, split=split).next_batch(c.rollout.num_groups)) == 64

@@ -16,7 +16,7 @@ import optax
 import pytest
 from train_cli import train_cli
 
-from gspo_jax import checkpoint, losses, routing, train
+from gspo_jax import checkpoint, losses, routing, staleness, train
 from gspo_jax import config as config_lib
 from gspo_jax import evaluate as evaluate_lib
 from gspo_jax import iteration as iteration_lib
@@ -25,8 +25,10 @@ from gspo_jax import optimizer as optimizer_lib
 from gspo_jax import programs as programs_lib
 from gspo_jax import run as run_lib
 from gspo_jax import sharding as sharding_lib
+from gspo_jax.built import build
 from gspo_jax.checkpoint import Checkpointer
-from gspo_jax.config import base_config, build
+from gspo_jax.config import base_config
+from gspo_jax.context import RunContext
 from gspo_jax.sharding import mesh_from_config
 from gspo_jax.tasks import Example, expressions, load_tokenizer, prompt_iterator
 from gspo_jax.tasks.arithmetic import ArithmeticTask
@@ -60,6 +62,12 @@ class Setup:
 
     def state(self):
         return programs_lib.init_train_state(self.programs, self.params, self.config.seed)
+
+    def context(self, rollout=None, prompts=None, reference=None) -> RunContext:
+        """A run context of these pieces (for `iteration.rl_iteration` and `prepare_batch`)."""
+        ctx = RunContext(self.built, self.mesh, self.graphdef, self.programs, rollout, prompts, reference)
+        ctx.lag = staleness.PolicyLag.fresh(self.built.rollout.staleness, self.params)
+        return ctx
 
     def step(self, batch: train.TrainBatch):
         return self.programs.train_step(self.state(), jax.device_put(batch, self.programs.batch_shardings))
@@ -135,7 +143,7 @@ def test_microbatches_give_the_same_update(algorithm):
         rows = c2.rollout.num_groups * c2.rollout.group_size // c2.train.minibatches
         c2.train.microbatch_tokens = rows // 2 * (c2.prompt_len + c2.max_new_tokens)
     two = Setup(c2)
-    assert one.programs.step_config.microbatches == 1 and two.built.microbatches == 2
+    assert one.programs.step_config.microbatches == 1 and two.built.plan.update_microbatches == 2
     assert two.programs.step_config.microbatches == 2
     batch = minibatch(one, seed=1)
     s1, m1, _ = one.step(batch)
@@ -284,7 +292,10 @@ def test_drift_equals_the_own_and_the_replayed_forward():
 def test_which_runs_share_the_old_forward(epochs, minibatches, source, replay, shared):
     c = tiny()
     c.train.update(epochs=epochs, minibatches=minibatches, old_logp_source=source, routing_replay=replay)
-    assert train.shares_old_forward(build(c).train) is shared
+    plan = build(c).plan
+    assert plan.on_policy is shared
+    # R2 replays π_old's routing only off the on-policy path; R3 always replays the sampler's.
+    assert plan.forces_routing is (replay == "R3" or (replay == "R2" and not shared))
 
 
 @pytest.mark.parametrize("algorithm, microbatches", [("gspo", 2)])  # sequence ratios, stacked micro-batches
@@ -509,8 +520,8 @@ def _sigterm_after(monkeypatch, iteration):
     """Makes `iteration_lib.rl_iteration` "preempt" the run (SIGTERM) once `iteration` (0-based) finishes."""
     original = iteration_lib.rl_iteration
 
-    def iteration_then_sigterm(programs, rollout, config, state, prompts, it, *args):
-        out = original(programs, rollout, config, state, prompts, it, *args)
+    def iteration_then_sigterm(ctx, state, it):
+        out = original(ctx, state, it)
         if it == iteration:
             os.kill(os.getpid(), signal.SIGTERM)
         return out
@@ -705,7 +716,7 @@ def test_training_starts_from_a_hugging_face_checkpoint(tmp_path):
     B = s.built.rollout.num_groups * s.built.rollout.group_size
     sampler = Sampler(s.graphdef, s.built.model, B, c.prompt_len, c.max_new_tokens, mesh=s.mesh, state=s.params)
     rollout = Rollout(sampler, s.built.task, load_tokenizer(), s.built.rollout)
-    new, metrics = iteration_lib.rl_iteration(s.programs, rollout, s.built.train, s.state(), _prompts(s), 0)
+    new, metrics = iteration_lib.rl_iteration(s.context(rollout, _prompts(s)), s.state(), 0)
     assert np.isfinite(metrics["loss"]) and int(new.step) == c.train.minibatches
     bad = tiny("gspo")
     bad.hf_checkpoint = str(tmp_path / "missing")

@@ -20,7 +20,8 @@ from benchmarks.run.timing import best_time
 from gspo_jax import flops
 from gspo_jax import model as model_lib
 from gspo_jax import programs as programs_lib
-from gspo_jax.config import base_config, build
+from gspo_jax.built import build
+from gspo_jax.config import base_config
 from gspo_jax.sampler import Sampler, SamplerOptions, left_pad
 
 REAL_LAYERS = 2  # the real-dims proxy's default depth (the LM head is ~70% of its FLOPs at 2)

@@ -17,7 +17,7 @@ from jax.experimental.compilation_cache import compilation_cache
 from benchmarks.run.shapes import iteration_config, shape_config
 from benchmarks.run.timing import cold_cache_dir
 from gspo_jax import run as run_lib
-from gspo_jax.config import build
+from gspo_jax.built import build
 
 SPLIT = ("rollout_seconds", "logprob_seconds", "update_seconds", "drift_seconds")
 

@@ -33,16 +33,12 @@ from jax.experimental.compilation_cache import compilation_cache
 from benchmarks.run import accelerator
 from benchmarks.run.shapes import shape_config
 from benchmarks.run.timing import best_time, cold_cache_dir
-from gspo_jax import compiles, staleness
+from gspo_jax import compiles, context
 from gspo_jax import iteration as iteration_lib
 from gspo_jax import model as model_lib
-from gspo_jax import programs as programs_lib
-from gspo_jax import run as run_lib
-from gspo_jax import sharding as sharding_lib
+from gspo_jax.built import build
 from gspo_jax.compiles import CompileCounter
-from gspo_jax.config import build
 from gspo_jax.flops import train_flops
-from gspo_jax.tasks import prompt_iterator
 
 SPLIT = ("rollout_seconds", "logprob_seconds", "update_seconds", "drift_seconds", "iteration_seconds")
 ITERATIONS = 3  # the first compiles; the others are the warm ones (6 at tiny: a steadier median)
@@ -110,27 +106,17 @@ class Loop:
     def __init__(self, built):
         self.started = time.perf_counter()
         self.built = built
-        self.mesh = mesh = sharding_lib.make_mesh(**built.mesh.axes())
-        self.graphdef, params = programs_lib.init_policy(built, mesh)
-        programs = programs_lib.compile_programs(built, self.graphdef, params, mesh)
-        programs = programs_lib.compile_in_background(programs, built, params)
-        self.step = RecordingStep(programs.train_step)
-        self.programs = programs._replace(train_step=self.step)
-        self.rollout = run_lib.make_rollout(built, self.graphdef, params, mesh)
-        self.sampler = self.rollout.sampler = TimedSampler(self.rollout.sampler)
-        self.prompts = prompt_iterator(built.task, seed=built.seed, split="train")
-        kl_reward = built.critic is not None and built.critic.kl_reward_coef > 0
-        self.ref_params = params if built.loss.kl_coef > 0 or kl_reward else None
-        self.state = programs_lib.init_train_state(self.programs, params, built.seed)
-        self.lag = staleness.PolicyLag.fresh(built.rollout.staleness, self.state.params)
+        ctx, params = context.set_up(built)
+        self.step = RecordingStep(ctx.programs.train_step)
+        ctx.programs = ctx.programs._replace(train_step=self.step)
+        self.sampler = ctx.rollout.sampler = TimedSampler(ctx.rollout.sampler)
+        self.state = ctx.start(params)
+        self.ctx, self.mesh, self.graphdef = ctx, ctx.mesh, ctx.graphdef
         self.rows: list[dict] = []
 
     def iterate(self) -> dict:
         counter, calls = CompileCounter(), len(self.sampler.calls)
-        t = self.built.train
-        self.state, metrics = iteration_lib.rl_iteration(
-            self.programs, self.rollout, t, self.state, self.prompts, len(self.rows), self.ref_params, self.lag
-        )
+        self.state, metrics = iteration_lib.rl_iteration(self.ctx, self.state, len(self.rows))
         done = time.perf_counter()
         new = self.sampler.calls[calls:]
         row = {k: float(metrics[k]) for k in SPLIT}
@@ -188,7 +174,7 @@ def _isolated(loop: Loop, repeats: int) -> dict:
     out = dict(bare_decode_seconds=accelerator.bare_decode_seconds(graphdef, cfg, loop.state.params, B, P, C, repeats))
     if sampler.threads > 1:  # the same sampler with one host thread: what the run's threads cost or give
         one = dataclasses.replace(built, rollout=dataclasses.replace(built.rollout, sampler_threads=1))
-        one = run_lib.make_rollout(one, loop.graphdef, loop.state.params, loop.mesh).sampler
+        one = context.make_rollout(one, loop.graphdef, loop.state.params, loop.mesh).sampler
         args, kwargs = loop.sampler.last
         # Two calls after a warm-up: a whole rollout's decode each (seconds at real dims).
         out["one_thread_sampler_seconds"] = _sampler_seconds_per_step(one, loop.state.params, args, kwargs, 2)

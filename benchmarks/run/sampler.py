@@ -14,7 +14,7 @@ from benchmarks.run.shapes import iteration_config
 from benchmarks.run.timing import best_time
 from gspo_jax import compiles
 from gspo_jax import model as model_lib
-from gspo_jax.config import build
+from gspo_jax.built import build
 from gspo_jax.flops import matmul_params
 from gspo_jax.rollout import RolloutConfig
 from gspo_jax.sampler import Sampler, SamplerOptions, left_pad, sample_logits

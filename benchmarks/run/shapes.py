@@ -9,7 +9,8 @@ import numpy as np
 
 from gspo_jax import model as model_lib
 from gspo_jax import programs as programs_lib
-from gspo_jax.config import base_config, build
+from gspo_jax.built import build
+from gspo_jax.config import base_config
 from gspo_jax.sharding import mesh_from_config
 from gspo_jax.train import TrainBatch
 

@@ -10,7 +10,7 @@ Both: `next(it)`, `next_batch(n)`, `state()` (a dict of plain ints), `restore(st
 Split: a prompt is held out iff a stable hash of its text falls below `holdout` (the task's own,
 default 1/16), so "train" and "eval" never share a prompt, whatever the seeds; a dataset task with a
 separate eval file splits by file instead (`DatasetTask.split_indices`). "all" uses every prompt.
-`check_splits` refuses a task whose train or eval split would be empty (`config.build` calls it).
+`check_splits` refuses a task whose train or eval split would be empty (`built.build` calls it).
 """
 
 from __future__ import annotations

@@ -1,0 +1,89 @@
+"""A run's pieces, set up once from its `Built` (`set_up`): the mesh, the policy, its jitted programs,
+the sampler and rollout, the prompt stream; then, once the starting parameters are known (a warm
+start, a checkpoint), the train state, the KL reference and the lagged policies (`RunContext.start`).
+The main job (`run.py`) and the benchmarks' loop (`benchmarks/run/loop.py`) set a run up with it alike,
+and `iteration.rl_iteration` reads everything but the train state from it."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+from flax import nnx
+
+from gspo_jax import built as built_lib
+from gspo_jax import compiles, staleness
+from gspo_jax import model as model_lib
+from gspo_jax import programs as programs_lib
+from gspo_jax import sharding as sharding_lib
+from gspo_jax.programs import Programs
+from gspo_jax.rollout import Rollout
+from gspo_jax.sampler import Sampler, SamplerOptions
+from gspo_jax.tasks import load_tokenizer, prompt_iterator
+from gspo_jax.train import TrainState
+
+
+@dataclasses.dataclass
+class RunContext:
+    """What one run iterates with: built once, read by every iteration (`iteration.rl_iteration`)."""
+
+    built: built_lib.Built
+    mesh: jax.sharding.Mesh
+    graphdef: nnx.GraphDef
+    programs: Programs
+    rollout: Rollout
+    prompts: Any  # the train split's resumable prompt iterator (`tasks.prompt_iterator`)
+    reference: nnx.State | None = None  # π_ref's parameters where `Plan.reference` (set by `start`)
+    lag: staleness.PolicyLag | None = None  # the lagged policies of `rollout.staleness` (set by `start`)
+
+    def start(self, params, restored: tuple[TrainState, staleness.PolicyLag] | None = None) -> TrainState:
+        """The train state the run starts from, `restored` from a checkpoint or fresh from `params` (it
+        owns a copy); π_ref is `params` where the plan keeps one, and the lag is the restored one or k
+        slots of `params`' copy."""
+        self.reference = params if self.built.plan.reference else None
+        if restored is not None:
+            state, self.lag = restored
+            return state
+        state = programs_lib.init_train_state(self.programs, params, self.built.seed)
+        self.lag = staleness.PolicyLag.fresh(self.built.rollout.staleness, state.params)
+        return state
+
+
+def set_up(built: built_lib.Built, mesh: jax.sharding.Mesh | None = None) -> tuple[RunContext, nnx.State]:
+    """The run's context and its policy's initial parameters (on the mesh): the mesh (`built.mesh`'s
+    resolved axes unless given), the policy (`programs.init_policy`), its programs (the train step and
+    drift compiling in the background), the rollout and the prompt stream."""
+    if mesh is None:
+        mesh = sharding_lib.make_mesh(**built.mesh.axes())
+        sharding_lib.warn_idle_devices(mesh)
+    graphdef, params = programs_lib.init_policy(built, mesh)
+    programs = programs_lib.compile_programs(built, graphdef, params, mesh)
+    programs = programs_lib.compile_in_background(programs, built, params)
+    rollout = make_rollout(built, graphdef, params, mesh)
+    prompts = prompt_iterator(built.task, seed=built.seed, split="train")
+    return RunContext(built, mesh, graphdef, programs, rollout, prompts), params
+
+
+def make_rollout(built: built_lib.Built, graphdef, params, mesh: jax.sharding.Mesh) -> Rollout:
+    """The run's sampler, at the rollout's precision when it has its own, and the rollout around it."""
+    sampler_graphdef, sampler_model = graphdef, built.model
+    if built.rollout.dtype:  # the same weights, computed at the sampler's precision
+        sampler_model = dataclasses.replace(built.model, dtype=built.rollout.dtype)
+        sampler_graphdef = model_lib.abstract_model(sampler_model)[0]
+    options = SamplerOptions(
+        threads=built.rollout.threads(mesh.devices.size),
+        record_gates=built.plan.weight_replay,
+        compiler_options=compiles.step_options(built.cpu_fast_compile),
+    )
+    sampler = Sampler(
+        sampler_graphdef,
+        sampler_model,
+        built.batch_size,
+        built.sampler.prompt_len,
+        built.sampler.max_new_tokens,
+        mesh=mesh,
+        state=params,
+        options=options,
+    )
+    return Rollout(sampler, built.task, load_tokenizer(built.tokenizer_path or None), built.rollout)
