@@ -36,7 +36,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import jax  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 
-from gspo_jax import hf, snapshots  # noqa: E402
+from gspo_jax import hf, hf_config, snapshots  # noqa: E402
 from gspo_jax import model as model_lib  # noqa: E402
 from gspo_jax.model_config import DTYPES, ModelConfig  # noqa: E402
 from gspo_jax.tasks.tokenizer import TOKENIZER_DIR, load_tokenizer  # noqa: E402
@@ -89,7 +89,7 @@ def _default_model_type(run: snapshots.Run) -> str:
     source = Path(run.config.get("hf_checkpoint") or "", "config.json")
     if run.config.get("hf_checkpoint") and source.is_file():
         model_type = json.loads(source.read_text()).get("model_type")
-        if model_type in hf.MODEL_TYPES:
+        if model_type in hf_config.MODEL_TYPES:
             return model_type
     return "qwen3_moe" if run.model.qk_norm else "mixtral"
 
@@ -145,7 +145,7 @@ def run_to_hf(
         if token_id is not None:
             extra[f"{name}_token_id"] = int(token_id)
     try:
-        hf.exportable_config(run.model, model_type, extra=extra)
+        hf_config.exportable_config(run.model, model_type, extra=extra)
     except ValueError as e:
         raise ConfigError(f"{workdir} cannot be exported as {model_type}: {e}") from None
     _check_out(dst, workdir, overwrite)
@@ -178,7 +178,7 @@ def main(argv=None) -> None:
     parser.add_argument("--dtype", choices=tuple(DTYPES), help="hf2jax: cast parameters (default: keep)")
     parser.add_argument(
         "--model-type",
-        choices=hf.MODEL_TYPES,
+        choices=hf_config.MODEL_TYPES,
         help="jax2hf: default: the source's; "
         "run2hf: default: the run's config.hf_checkpoint's, else qwen3_moe (mixtral if no q/k norm)",
     )

@@ -20,7 +20,7 @@ from test_hf import MIXTRAL_8X7B
 from transformers import AutoConfig, AutoTokenizer
 
 from gspo_jax import config as config_lib
-from gspo_jax import hf, model_config, snapshots
+from gspo_jax import hf, hf_config, model_config, snapshots
 from gspo_jax import model as model_lib
 from gspo_jax import run as run_lib
 from gspo_jax import workdir as workdir_lib
@@ -78,7 +78,7 @@ def test_export_reloads_with_the_runs_own_logits(run, exported):
     assert any(not np.array_equal(x, before[k]) for k, x in hf.state_to_params(params).items())  # it trained
 
     cfg, graphdef, state = hf.load_hf_checkpoint(exported, dispatch=snapshot.model.dispatch)
-    runs = {f: getattr(snapshot.model, f) for f in hf.RUN_FIELDS}
+    runs = {f: getattr(snapshot.model, f) for f in hf_config.RUN_FIELDS}
     assert dataclasses.replace(cfg, **runs) == snapshot.model
     got, want = hf.state_to_params(state), hf.state_to_params(params)
     assert got.keys() == want.keys()
@@ -183,4 +183,4 @@ def test_a_run_started_from_a_mixtral_checkpoint_exports_as_mixtral(tmp_path):
     ids=["tiny", "all_dense", "mixtral"],
 )
 def test_exportable_config_accepts_what_reloads_as_the_same_model(cfg, model_type):
-    assert hf.exportable_config(cfg, model_type) == hf.config_to_hf(cfg, model_type)
+    assert hf_config.exportable_config(cfg, model_type) == hf_config.config_to_hf(cfg, model_type)

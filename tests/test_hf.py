@@ -1,4 +1,4 @@
-"""Hugging Face checkpoint interop (gspo_jax/hf.py) against fixtures written by transformers.
+"""Hugging Face checkpoint interop (gspo_jax/hf.py, hf_config.py) against fixtures written by transformers.
 
 The fixtures under tests/fixtures/ come from scripts/make_hf_fixture.py (transformers
 5.23 + torch, run by hand); these tests need neither torch nor a network.
@@ -20,7 +20,7 @@ from flax import nnx
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from gspo_jax import hf, model_config, sharding
+from gspo_jax import hf, hf_config, model_config, sharding
 from gspo_jax import model as model_lib
 from gspo_jax.tasks.tokenizer import TOKENIZER_DIR
 
@@ -189,8 +189,8 @@ MIXTRAL_8X7B = model_config.ModelConfig(
 
 
 def test_hub_configs_give_their_models():
-    assert hf.config_from_hf(QWEN3_30B_A3B_HUB, dispatch="auto") == model_config.get("qwen3_30b_a3b")
-    assert hf.config_from_hf(MIXTRAL_8X7B_HUB, dispatch="auto") == MIXTRAL_8X7B
+    assert hf_config.config_from_hf(QWEN3_30B_A3B_HUB, dispatch="auto") == model_config.get("qwen3_30b_a3b")
+    assert hf_config.config_from_hf(MIXTRAL_8X7B_HUB, dispatch="auto") == MIXTRAL_8X7B
 
 
 def test_transformers5_config_names():
@@ -199,7 +199,7 @@ def test_transformers5_config_names():
     assert "num_local_experts" in v5 and "num_experts" not in v5 and "rope_theta" not in v5
     v4 = dict(v5, num_experts=v5.pop("num_local_experts"), rope_theta=10_000.0, rope_scaling=None)
     del v4["rope_parameters"]
-    assert hf.config_from_hf(v4) == hf.config_from_hf(FIXTURES / "qwen3_moe_tiny")
+    assert hf_config.config_from_hf(v4) == hf_config.config_from_hf(FIXTURES / "qwen3_moe_tiny")
 
 
 @pytest.mark.parametrize(
@@ -225,7 +225,7 @@ def test_transformers5_config_names():
     ids=["tiny", "sparse_step", "all_dense", "mixtral"],
 )
 def test_config_roundtrip(cfg, model_type):
-    back = hf.config_from_hf(json.loads(json.dumps(hf.config_to_hf(cfg, model_type))))
+    back = hf_config.config_from_hf(json.loads(json.dumps(hf_config.config_to_hf(cfg, model_type))))
     # HF configs describe the model, not how it runs: scan_layers, remat, logprob_chunk come back as defaults.
     runs = {f: getattr(model_config.ModelConfig(), f) for f in ("scan_layers", "remat", "logprob_chunk")}
     assert back == dataclasses.replace(cfg, z_loss_coef=0.0, **runs)
@@ -250,7 +250,7 @@ def test_config_roundtrip(cfg, model_type):
 )
 def test_bad_hf_config_names_field(base, change, field):
     with pytest.raises(ValueError, match=field):
-        hf.config_from_hf(dict(base, **change))
+        hf_config.config_from_hf(dict(base, **change))
 
 
 @pytest.mark.parametrize(
@@ -265,7 +265,7 @@ def test_bad_hf_config_names_field(base, change, field):
 )
 def test_unexpressible_config_names_field(cfg, model_type, field):
     with pytest.raises(ValueError, match=field):
-        hf.config_to_hf(cfg, model_type)
+        hf_config.config_to_hf(cfg, model_type)
 
 
 # ------------------------------------------------------------------ export / reload
@@ -421,7 +421,7 @@ def test_convert_script_roundtrip(tmp_path):
     convert.main(["--in", str(src), "--out", str(tmp_path / "jax"), "--direction", "hf2jax"])
     convert.main(["--in", str(tmp_path / "jax"), "--out", str(tmp_path / "hf"), "--direction", "jax2hf"])
     assert_bitwise_equal(read_tensors(tmp_path / "hf"), read_tensors(src))
-    assert hf.config_from_hf(tmp_path / "hf") == hf.config_from_hf(src)
+    assert hf_config.config_from_hf(tmp_path / "hf") == hf_config.config_from_hf(src)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["bos_token_id"] == 1  # passed through
     assert (tmp_path / "hf" / "generation_config.json").read_bytes() == (src / "generation_config.json").read_bytes()
 
