@@ -19,6 +19,7 @@ import pytest
 from test_hf import MIXTRAL_8X7B
 from transformers import AutoConfig, AutoTokenizer
 
+from gspo_jax import built as built_lib
 from gspo_jax import config as config_lib
 from gspo_jax import hf, hf_config, model_config, snapshots
 from gspo_jax import model as model_lib
@@ -57,7 +58,7 @@ def run(tmp_path_factory):
     c.train.update(num_iterations=2, checkpoint_every=1, eval_every=10, eval_batches=1, drift_metrics=False)
     with pytest.MonkeyPatch.context() as m:
         m.setattr(run_lib.plots, "plot_run", lambda workdir: None)  # plots are seconds, and not what is tested
-        run_lib.train_and_evaluate(config_lib.build(c), workdir, progress=False)
+        run_lib.train_and_evaluate(built_lib.build(c), workdir, progress=False)
     assert snapshots.steps(workdir) == [1, 2]
     return workdir, digest(workdir)
 
@@ -98,7 +99,7 @@ def test_transformers_loads_the_config_and_tokenizer(run, exported):
     assert (hf_cfg.bos_token_id, hf_cfg.eos_token_id, hf_cfg.pad_token_id) == (BOS_ID, EOS_ID, PAD_ID)
     tokenizer, ours = AutoTokenizer.from_pretrained(exported), load_tokenizer()
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (BOS_ID, EOS_ID, PAD_ID)
-    task = config_lib.build(snapshots.open_run(run[0]).config).task
+    task = built_lib.build(snapshots.open_run(run[0]).config).task
     for example in prompt_iterator(task, seed=0).next_batch(4):
         ids = tokenizer.encode(example.prompt, add_special_tokens=False)
         assert ids == ours.encode(example.prompt, add_special_tokens=False) and len(ids) > 1
