@@ -19,9 +19,10 @@ from typing import Any
 import jax
 import ml_collections
 
-from gspo_jax import algorithms, hf, losses
+from gspo_jax import algorithms, losses
 from gspo_jax.config import as_json, optimizer_keys, warm_start_key
 from gspo_jax.critic import CriticConfig
+from gspo_jax.hf_config import config_from_hf
 from gspo_jax.model_config import ModelConfig
 from gspo_jax.optimizer import OptimizerConfig
 from gspo_jax.rollout import RolloutConfig
@@ -339,7 +340,7 @@ def _model(config: ml_collections.ConfigDict) -> ModelConfig:
         keep = ("dispatch", "param_dtype", "dtype", "lb_loss_coef", "z_loss_coef")
         keep += ("scan_layers", "remat", "logprob_chunk", "batch_chunks")  # how the model runs
         try:
-            model_cfg = hf.config_from_hf(config.hf_checkpoint, **{k: getattr(model_cfg, k) for k in keep})
+            model_cfg = config_from_hf(config.hf_checkpoint, **{k: getattr(model_cfg, k) for k in keep})
         except (OSError, ValueError) as e:
             raise ConfigError(f"config.hf_checkpoint={config.hf_checkpoint!r}: {e}") from None
     return model_cfg

@@ -34,7 +34,7 @@ from safetensors.numpy import save_file
 
 from gspo_jax import model as model_lib
 from gspo_jax import sharding
-from gspo_jax.hf_config import config_from_hf, config_to_hf, load_json  # config.py, built.py: hf.config_from_hf
+from gspo_jax.hf_config import config_from_hf, config_to_hf, load_json
 from gspo_jax.model_config import ModelConfig
 
 # Expert projection names per model type: (gate, up, down) in our terms.
