@@ -8,6 +8,10 @@ letters: `gspo_jax/__init__.py` (E experts, K chosen per token, F expert width).
 Every path is dropless and exact: a token's output is computed from its own row only. Every path reads
 an expert index equal to E as "no expert": that row's output is zero (the expert-parallel exchange uses
 it for the empty slots of its buffers).
+
+Every path takes optional low-rank adapters (`ExpertAdapters`, LoRA): expert e's projections use
+W_e + A_e·B_e, computed unmerged, (x·A_e)·B_e, on the routed rows only (the dense reference excepted).
+Without them every path is the program it was.
 """
 
 from __future__ import annotations
@@ -21,6 +25,24 @@ import jax.numpy as jnp
 from gspo_jax import grouped
 
 DISPATCHES = ("auto", "sparse", "grouped", "dense", "ragged")
+
+
+class ExpertAdapters(NamedTuple):
+    """Each expert's low-rank adapters (R the rank): projection p of expert e uses W_p[e] + A_p[e]·B_p[e].
+    No scale is applied here (the caller folds α/r into B); cast to the compute dtype like the weights.
+    On a mesh they are split over "expert" like the weights (`gspo_jax/expert_parallel.py`)."""
+
+    a_gate_EDR: jax.Array
+    b_gate_ERF: jax.Array
+    a_up_EDR: jax.Array
+    b_up_ERF: jax.Array
+    a_down_EFR: jax.Array
+    b_down_ERD: jax.Array
+
+
+def cast_adapters(adapters: ExpertAdapters | None, dtype) -> ExpertAdapters | None:
+    """The adapters in the compute dtype (None stays None)."""
+    return None if adapters is None else ExpertAdapters(*(a.astype(dtype) for a in adapters))
 
 
 def resolve_dispatch(dispatch: str, platform: str, dtype=jnp.bfloat16, dims: tuple[int, int] | None = None) -> str:
@@ -70,10 +92,11 @@ def experts_fn(dispatch: str, platform: str, dtype=jnp.bfloat16, dims: tuple[int
     return {"dense": dense_experts, "ragged": ragged_experts, "sparse": sparse_experts}[dispatch]
 
 
-def dense_experts(x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF, w_down_EFD):
+def dense_experts(x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, adapters: ExpertAdapters | None = None):
     """Every expert on every token, mixed by a [B,T,E] combine tensor (zero off the top-k).
 
-    E times the FLOPs of sparse dispatch, but plain einsums: the fast path on CPU at small E.
+    E times the FLOPs of sparse dispatch, but plain einsums: the fast path on CPU at small E. The
+    reference: adapters run on every token too.
     """
     dtype = x_BTD.dtype
     combine_BTE = jnp.einsum(
@@ -81,8 +104,14 @@ def dense_experts(x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF, w_down_EFD):
     )
     gate_BTEF = jnp.einsum("btd,edf->btef", x_BTD, w_gate_EDF.astype(dtype))
     up_BTEF = jnp.einsum("btd,edf->btef", x_BTD, w_up_EDF.astype(dtype))
+    ad = cast_adapters(adapters, dtype)
+    if ad is not None:
+        gate_BTEF += jnp.einsum("bter,erf->btef", jnp.einsum("btd,edr->bter", x_BTD, ad.a_gate_EDR), ad.b_gate_ERF)
+        up_BTEF += jnp.einsum("bter,erf->btef", jnp.einsum("btd,edr->bter", x_BTD, ad.a_up_EDR), ad.b_up_ERF)
     h_BTEF = jax.nn.silu(gate_BTEF) * up_BTEF
     y_BTED = jnp.einsum("btef,efd->bted", h_BTEF, w_down_EFD.astype(dtype))
+    if ad is not None:
+        y_BTED += jnp.einsum("bter,erd->bted", jnp.einsum("btef,efr->bter", h_BTEF, ad.a_down_EFR), ad.b_down_ERD)
     y_BTD = jnp.einsum("bted,bte->btd", y_BTED, combine_BTE, preferred_element_type=jnp.float32)
     return y_BTD.astype(dtype)
 
