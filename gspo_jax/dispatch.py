@@ -116,9 +116,12 @@ def dense_experts(x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, 
     return y_BTD.astype(dtype)
 
 
-def ragged_experts(x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF, w_down_EFD):
+def ragged_experts(
+    x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, adapters: ExpertAdapters | None = None
+):
     """Sparse dispatch: sort the A = B·T·K (token, expert) assignments by expert, run grouped
-    matmuls with `lax.ragged_dot`, unsort, weight by the gates and sum over K.
+    matmuls with `lax.ragged_dot` (the adapters' too, (x·A)·B on the sorted rows), unsort, weight by
+    the gates and sum over K.
 
     All shapes are static (A assignments), so it jit-compiles once; the TPU path.
     """
@@ -133,8 +136,17 @@ def ragged_experts(x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF, w_down_EFD)
     group_sizes_E = jnp.bincount(expert_A, length=E).astype(jnp.int32)
     gate_AF = jax.lax.ragged_dot(x_AD, w_gate_EDF.astype(dtype), group_sizes_E)
     up_AF = jax.lax.ragged_dot(x_AD, w_up_EDF.astype(dtype), group_sizes_E)
+    ad = cast_adapters(adapters, dtype)
+    lora = lambda x_AX, a_EXR, b_ERY: jax.lax.ragged_dot(
+        jax.lax.ragged_dot(x_AX, a_EXR, group_sizes_E), b_ERY, group_sizes_E
+    )
+    if ad is not None:
+        gate_AF += lora(x_AD, ad.a_gate_EDR, ad.b_gate_ERF)
+        up_AF += lora(x_AD, ad.a_up_EDR, ad.b_up_ERF)
     h_AF = jax.nn.silu(gate_AF) * up_AF
     y_sorted_AD = jax.lax.ragged_dot(h_AF, w_down_EFD.astype(dtype), group_sizes_E)
+    if ad is not None:
+        y_sorted_AD += lora(h_AF, ad.a_down_EFR, ad.b_down_ERD)
     inverse_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(order_A.shape[0], dtype=order_A.dtype))
     y_NKD = y_sorted_AD[inverse_A].reshape(B * T, K, D)
     y_ND = jnp.einsum("nkd,nk->nd", y_NKD, gates_BTK.reshape(B * T, K), preferred_element_type=jnp.float32)
@@ -251,17 +263,32 @@ def _dot(a, b_):
     return jnp.dot(a, b_, preferred_element_type=jnp.float32)
 
 
-def _swiglu_blocks(layout: BlockLayout, x_RD, w_gate_EDF, w_up_EDF, w_down_EFD, b: int, chunk: int, keep: bool):
+def _lora_dot(x_nX, a_XR, b_RY):
+    """(x·A)·B in float32, x·A rounded to x's dtype between (one block's adapter product)."""
+    return _dot(_dot(x_nX, a_XR).astype(x_nX.dtype), b_RY)
+
+
+def _swiglu_blocks(
+    layout: BlockLayout, x_RD, w_gate_EDF, w_up_EDF, w_down_EFD, b: int, chunk: int, keep: bool, adapters=None
+):
     """The experts' SwiGLU on every used block: y_R [R, D], and the gate and up pre-activations
     (g_R, u_R [R, F]) when `keep` (the backward pass reads them). Gate and up stay two matmuls on the
-    layer's own weights: concatenating them per layer copied every expert's weights once more."""
+    layer's own weights: concatenating them per layer copied every expert's weights once more. With
+    `adapters` (`ExpertAdapters`), each projection adds its block's (x·A_e)·B_e."""
     dtype = x_RD.dtype
 
     def body(r, n, carry, w, e):
-        (y_RD, g_RF, u_RF), (w_gate_DF, w_up_DF, w_down_FD) = carry, w
+        (y_RD, g_RF, u_RF), (w_gate_DF, w_up_DF, w_down_FD, *a) = carry, w
         x_nD = _rows(x_RD, r, n)
-        g_nF, u_nF = _dot(x_nD, w_gate_DF).astype(dtype), _dot(x_nD, w_up_DF).astype(dtype)
-        y_RD = _put_rows(y_RD, _dot(jax.nn.silu(g_nF) * u_nF, w_down_FD), r)
+        if a:
+            a_gate_DR, b_gate_RF, a_up_DR, b_up_RF, a_down_FR, b_down_RD = a
+            g_nF = (_dot(x_nD, w_gate_DF) + _lora_dot(x_nD, a_gate_DR, b_gate_RF)).astype(dtype)
+            u_nF = (_dot(x_nD, w_up_DF) + _lora_dot(x_nD, a_up_DR, b_up_RF)).astype(dtype)
+            h_nF = jax.nn.silu(g_nF) * u_nF
+            y_RD = _put_rows(y_RD, _dot(h_nF, w_down_FD) + _lora_dot(h_nF, a_down_FR, b_down_RD), r)
+        else:
+            g_nF, u_nF = _dot(x_nD, w_gate_DF).astype(dtype), _dot(x_nD, w_up_DF).astype(dtype)
+            y_RD = _put_rows(y_RD, _dot(jax.nn.silu(g_nF) * u_nF, w_down_FD), r)
         if keep:
             g_RF, u_RF = _put_rows(g_RF, g_nF, r), _put_rows(u_RF, u_nF, r)
         return y_RD, g_RF, u_RF
@@ -269,25 +296,32 @@ def _swiglu_blocks(layout: BlockLayout, x_RD, w_gate_EDF, w_up_EDF, w_down_EFD, 
     R, D = x_RD.shape
     kept = jnp.zeros((R if keep else 0, w_down_EFD.shape[1]), dtype)
     init = (jnp.zeros((R, D), dtype), kept, kept)
-    return _for_each_block(layout, (w_gate_EDF, w_up_EDF, w_down_EFD), body, init, b, chunk)
+    weights = (w_gate_EDF, w_up_EDF, w_down_EFD) + (tuple(adapters) if adapters is not None else ())
+    return _for_each_block(layout, weights, body, init, b, chunk)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _sparse_experts(b: int, chunk: int, layout: BlockLayout, x_ND, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD):
+def _sparse_experts(
+    b: int, chunk: int, layout: BlockLayout, x_ND, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD, adapters=None
+):
     # Forward only (sampling, scoring): one block at a time, fewer loops to compile; no gain measured.
-    return _sparse_experts_fwd(b, 1, layout, x_ND, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD, keep=False)[0]
+    fwd = _sparse_experts_fwd(b, 1, layout, x_ND, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD, adapters, keep=False)
+    return fwd[0]
 
 
-def _sparse_experts_fwd(b, chunk, layout, x_ND, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD, keep=True):
+def _sparse_experts_fwd(b, chunk, layout, x_ND, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD, adapters, keep=True):
     x_RD = jnp.concatenate([x_ND, jnp.zeros_like(x_ND[:1])])[layout.token_R]
-    y_RD, g_RF, u_RF = _swiglu_blocks(layout, x_RD, w_gate_EDF, w_up_EDF, w_down_EFD, b, chunk, keep)
+    y_RD, g_RF, u_RF = _swiglu_blocks(layout, x_RD, w_gate_EDF, w_up_EDF, w_down_EFD, b, chunk, keep, adapters)
     y_NKD = y_RD[layout.row_NK]
     y_ND = jnp.einsum("nkd,nk->nd", y_NKD, gates_NK, preferred_element_type=jnp.float32).astype(x_ND.dtype)
-    return y_ND, (layout, x_RD, g_RF, u_RF, y_NKD, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD)
+    return y_ND, (layout, x_RD, g_RF, u_RF, y_NKD, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD, adapters)
 
 
 def _sparse_experts_bwd(b, chunk, res, dy_ND):
-    layout, x_RD, g_RF, u_RF, y_NKD, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD = res
+    """The block loop's backward: per block the input gradient and each expert's weight gradients (the
+    adapters' too, accumulated per expert over its own rows). A weight gradient the caller drops (a
+    frozen base under LoRA) is a dead loop carry that XLA's while-loop simplifier removes."""
+    layout, x_RD, g_RF, u_RF, y_NKD, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD, adapters = res
     dtype = x_RD.dtype
     dy_ND = dy_ND.astype(jnp.float32)
     d_gates_NK = jnp.einsum("nkd,nd->nk", y_NKD.astype(jnp.float32), dy_ND).astype(gates_NK.dtype)
@@ -300,35 +334,64 @@ def _sparse_experts_bwd(b, chunk, res, dy_ND):
     dy_RD = (jnp.concatenate([dy_ND, jnp.zeros_like(dy_ND[:1])])[layout.token_R] * gate_R[:, None]).astype(dtype)
 
     def body(r, n, carry, w, e):
-        (dx_RD, dw_gate_EDF, dw_up_EDF, dw_down_EFD), (w_gate_DF, w_up_DF, w_down_FD) = carry, w
+        (dx_RD, dw_gate_EDF, dw_up_EDF, dw_down_EFD, *da), (w_gate_DF, w_up_DF, w_down_FD, *a) = carry, w
         dy_nD, x_nD = _rows(dy_RD, r, n), _rows(x_RD, r, n)
         g_nF, u_nF = _rows(g_RF, r, n).astype(jnp.float32), _rows(u_RF, r, n).astype(jnp.float32)
         sig_nF = jax.nn.sigmoid(g_nF)
         silu_nF = g_nF * sig_nF
         h_nF = (silu_nF * u_nF).astype(dtype)
         dh_nF = _dot(dy_nD, w_down_FD.T)
+        if a:
+            a_gate_DR, b_gate_RF, a_up_DR, b_up_RF, a_down_FR, b_down_RD = a
+            dyb_nR = _dot(dy_nD, b_down_RD.T).astype(dtype)
+            dh_nF = dh_nF + _dot(dyb_nR, a_down_FR.T)
         dg_nF = (dh_nF * u_nF * sig_nF * (1 + g_nF * (1 - sig_nF))).astype(dtype)
         du_nF = (dh_nF * silu_nF).astype(dtype)
-        dx_RD = _put_rows(dx_RD, _dot(dg_nF, w_gate_DF.T) + _dot(du_nF, w_up_DF.T), r)
+        dx_nD = _dot(dg_nF, w_gate_DF.T) + _dot(du_nF, w_up_DF.T)
+        if a:
+            dgb_nR, dub_nR = _dot(dg_nF, b_gate_RF.T).astype(dtype), _dot(du_nF, b_up_RF.T).astype(dtype)
+            dx_nD = dx_nD + _dot(dgb_nR, a_gate_DR.T) + _dot(dub_nR, a_up_DR.T)
+            xa = lambda x_nX, a_XR: _dot(x_nX, a_XR).astype(dtype).T  # the adapter's inner product, [R, n]
+            updates = (
+                _dot(x_nD.T, dgb_nR),
+                _dot(xa(x_nD, a_gate_DR), dg_nF),
+                _dot(x_nD.T, dub_nR),
+                _dot(xa(x_nD, a_up_DR), du_nF),
+                _dot(h_nF.T, dyb_nR),
+                _dot(xa(h_nF, a_down_FR), dy_nD),
+            )
+            da = [d.at[e].add(u) for d, u in zip(da, updates)]
+        dx_RD = _put_rows(dx_RD, dx_nD, r)
         dw_gate_EDF = dw_gate_EDF.at[e].add(_dot(x_nD.T, dg_nF))
         dw_up_EDF = dw_up_EDF.at[e].add(_dot(x_nD.T, du_nF))
         dw_down_EFD = dw_down_EFD.at[e].add(_dot(h_nF.T, dy_nD))
-        return dx_RD, dw_gate_EDF, dw_up_EDF, dw_down_EFD
+        return dx_RD, dw_gate_EDF, dw_up_EDF, dw_down_EFD, *da
 
     zeros = lambda w: jnp.zeros(w.shape, jnp.float32)
-    init = (jnp.zeros_like(x_RD), zeros(w_gate_EDF), zeros(w_up_EDF), zeros(w_down_EFD))
-    weights = (w_gate_EDF, w_up_EDF, w_down_EFD)
-    dx_RD, dw_gate, dw_up, dw_down = _for_each_block(layout, weights, body, init, b, chunk)
+    weights = (w_gate_EDF, w_up_EDF, w_down_EFD) + (tuple(adapters) if adapters is not None else ())
+    init = (jnp.zeros_like(x_RD), *map(zeros, weights))
+    dx_RD, dw_gate, dw_up, dw_down, *da = _for_each_block(layout, weights, body, init, b, chunk)
     dx_ND = jnp.sum(dx_RD[layout.row_NK].astype(jnp.float32), axis=1).astype(dtype)
     cast = lambda g, like: g.astype(like.dtype)
-    return None, dx_ND, d_gates_NK, cast(dw_gate, w_gate_EDF), cast(dw_up, w_up_EDF), cast(dw_down, w_down_EFD)
+    d_adapters = None if adapters is None else ExpertAdapters(*map(cast, da, adapters))
+    dw = cast(dw_gate, w_gate_EDF), cast(dw_up, w_up_EDF), cast(dw_down, w_down_EFD)
+    return None, dx_ND, d_gates_NK, *dw, d_adapters
 
 
 _sparse_experts.defvjp(_sparse_experts_fwd, _sparse_experts_bwd)
 
 
 def sparse_experts(
-    x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, *, block: int | None = None, chunk: int | None = None
+    x_BTD,
+    topk_BTK,
+    gates_BTK,
+    w_gate_EDF,
+    w_up_EDF,
+    w_down_EFD,
+    adapters: ExpertAdapters | None = None,
+    *,
+    block: int | None = None,
+    chunk: int | None = None,
 ):
     """Sparse dispatch for CPUs: each token's rows go to an expert-sorted buffer padded per expert to
     blocks of `block` rows (`sparse_block_size` by default), and a loop over the used blocks runs
@@ -338,7 +401,8 @@ def sparse_experts(
     expert's blocks run `chunk` at a time (`chunk_blocks` by default) while that many are left: small
     blocks keep the padding small, chunks keep the matmuls wide; forward-only calls (sampling,
     scoring) run single blocks. The backward pass is hand-written (the same loops; the gathers'
-    transposes are gathers of the inverse permutation, never scatter-adds)."""
+    transposes are gathers of the inverse permutation, never scatter-adds). Adapters run in the same
+    blocks: (x_blk·A_e)·B_e beside x_blk·W_e."""
     B, T, D = x_BTD.shape
     K, E = topk_BTK.shape[-1], w_gate_EDF.shape[0]
     dtype = x_BTD.dtype
@@ -354,5 +418,6 @@ def sparse_experts(
         w_gate_EDF.astype(dtype),
         w_up_EDF.astype(dtype),
         w_down_EFD.astype(dtype),
+        cast_adapters(adapters, dtype),
     )
     return y_ND.reshape(B, T, D)
