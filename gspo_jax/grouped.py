@@ -132,26 +132,50 @@ def _masked(x_AX, used_A):
     return jnp.where(used_A[:, None], x_AX, jnp.zeros((), x_AX.dtype))
 
 
+def _adapted(kernels, x_AX, w_EXY, a_EXR, b_ERY, sizes_E, used_A):
+    """x·W + (x·A)·B on the sorted rows, each product a grouped matmul, and x·A ([A, R], masked: the
+    backward's B gradient reads it)."""
+    xa_AR = _masked(gmm(kernels, x_AX, a_EXR, sizes_E), used_A)
+    out = gmm(kernels, x_AX, w_EXY, sizes_E, out_dtype=jnp.float32) + gmm(
+        kernels, xa_AR, b_ERY, sizes_E, out_dtype=jnp.float32
+    )
+    return _masked(out.astype(x_AX.dtype), used_A), xa_AR
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _experts(kernels, x_ND, gates_NK, order_A, inverse_A, sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD):
-    return _experts_fwd(kernels, x_ND, gates_NK, order_A, inverse_A, sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD)[0]
+def _experts(kernels, x_ND, gates_NK, order_A, inverse_A, sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, adapters):
+    args = (x_ND, gates_NK, order_A, inverse_A, sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, adapters)
+    return _experts_fwd(kernels, *args)[0]
 
 
-def _experts_fwd(kernels, x_ND, gates_NK, order_A, inverse_A, sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD):
+def _experts_fwd(kernels, x_ND, gates_NK, order_A, inverse_A, sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, adapters):
     (N, K), D = gates_NK.shape, x_ND.shape[1]
     used_A = jnp.arange(N * K) < jnp.sum(sizes_E)  # the sorted tail routed to "no expert" (index E)
     x_AD = x_ND[order_A // K]
-    g_AF = _masked(gmm(kernels, x_AD, w_gate_EDF, sizes_E), used_A)
-    u_AF = _masked(gmm(kernels, x_AD, w_up_EDF, sizes_E), used_A)
-    h_AF = (jax.nn.silu(g_AF.astype(jnp.float32)) * u_AF.astype(jnp.float32)).astype(x_ND.dtype)
-    y_AD = _masked(gmm(kernels, h_AF, w_down_EFD, sizes_E), used_A)
+    if adapters is None:
+        g_AF = _masked(gmm(kernels, x_AD, w_gate_EDF, sizes_E), used_A)
+        u_AF = _masked(gmm(kernels, x_AD, w_up_EDF, sizes_E), used_A)
+        h_AF = (jax.nn.silu(g_AF.astype(jnp.float32)) * u_AF.astype(jnp.float32)).astype(x_ND.dtype)
+        y_AD = _masked(gmm(kernels, h_AF, w_down_EFD, sizes_E), used_A)
+        inner = None
+    else:
+        a = adapters
+        g_AF, xa_gate_AR = _adapted(kernels, x_AD, w_gate_EDF, a.a_gate_EDR, a.b_gate_ERF, sizes_E, used_A)
+        u_AF, xa_up_AR = _adapted(kernels, x_AD, w_up_EDF, a.a_up_EDR, a.b_up_ERF, sizes_E, used_A)
+        h_AF = (jax.nn.silu(g_AF.astype(jnp.float32)) * u_AF.astype(jnp.float32)).astype(x_ND.dtype)
+        y_AD, ha_down_AR = _adapted(kernels, h_AF, w_down_EFD, a.a_down_EFR, a.b_down_ERD, sizes_E, used_A)
+        inner = (xa_gate_AR, xa_up_AR, ha_down_AR)
     y_NKD = y_AD[inverse_A].reshape(N, K, D)
     y_ND = jnp.einsum("nkd,nk->nd", y_NKD, gates_NK, preferred_element_type=jnp.float32).astype(x_ND.dtype)
-    return y_ND, (x_ND, g_AF, u_AF, y_NKD, gates_NK, order_A, inverse_A, sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD)
+    weights = (w_gate_EDF, w_up_EDF, w_down_EFD, adapters, inner)
+    return y_ND, (x_ND, g_AF, u_AF, y_NKD, gates_NK, order_A, inverse_A, sizes_E, *weights)
 
 
 def _experts_bwd(kernels, res, dy_ND):
-    x_ND, g_AF, u_AF, y_NKD, gates_NK, order_A, inverse_A, sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD = res
+    """Every gradient from grouped kernels: inputs by `gmm` (transposed), weights by `tgmm`, the
+    adapters' as their own grouped products. A weight gradient the caller drops (a frozen base under
+    LoRA) is an unused kernel call, dead code that jit removes."""
+    x_ND, g_AF, u_AF, y_NKD, gates_NK, order_A, inverse_A, sizes_E, w_gate_EDF, w_up_EDF, w_down_EFD, a, inner = res
     (N, K), D, dtype = gates_NK.shape, x_ND.shape[1], x_ND.dtype
     used_A = jnp.arange(N * K) < jnp.sum(sizes_E)
     dy_ND = dy_ND.astype(jnp.float32)
@@ -165,13 +189,32 @@ def _experts_bwd(kernels, res, dy_ND):
     silu_AF = g_AF * sig_AF
     h_AF = (silu_AF * u_AF).astype(dtype)
     dh_AF = gmm(kernels, dy_AD, w_down_EFD, sizes_E, transpose_rhs=True, out_dtype=jnp.float32)
+    # dy·B^T, dg·B^T, du·B^T: each adapter's output gradient pulled back to rank R ([A, R], masked)
+    back = lambda d_AY, b_ERY: _masked(gmm(kernels, d_AY, b_ERY, sizes_E, True), used_A)
+    if a is not None:
+        dyb_AR = back(dy_AD, a.b_down_ERD)
+        dh_AF = dh_AF + gmm(kernels, dyb_AR, a.a_down_EFR, sizes_E, True, jnp.float32)
     dg_AF = _masked(dh_AF * u_AF * sig_AF * (1 + g_AF * (1 - sig_AF)), used_A).astype(dtype)
     du_AF = _masked(dh_AF * silu_AF, used_A).astype(dtype)
     dx_AD = gmm(kernels, dg_AF, w_gate_EDF, sizes_E, True, jnp.float32) + gmm(
         kernels, du_AF, w_up_EDF, sizes_E, True, jnp.float32
     )
-    dx_ND = jnp.sum(_masked(dx_AD, used_A)[inverse_A].reshape(N, K, D), axis=1).astype(dtype)
     cast = lambda g, like: g.astype(like.dtype)
+    d_adapters = None
+    if a is not None:
+        (xa_gate_AR, xa_up_AR, ha_down_AR), dgb_AR, dub_AR = inner, back(dg_AF, a.b_gate_ERF), back(du_AF, a.b_up_ERF)
+        dx_AD = dx_AD + gmm(kernels, dgb_AR, a.a_gate_EDR, sizes_E, True, jnp.float32)
+        dx_AD = dx_AD + gmm(kernels, dub_AR, a.a_up_EDR, sizes_E, True, jnp.float32)
+        grads = (
+            tgmm(kernels, x_AD, dgb_AR, sizes_E),
+            tgmm(kernels, xa_gate_AR, dg_AF, sizes_E),
+            tgmm(kernels, x_AD, dub_AR, sizes_E),
+            tgmm(kernels, xa_up_AR, du_AF, sizes_E),
+            tgmm(kernels, h_AF, dyb_AR, sizes_E),
+            tgmm(kernels, ha_down_AR, dy_AD, sizes_E),
+        )
+        d_adapters = type(a)(*map(cast, grads, a))
+    dx_ND = jnp.sum(_masked(dx_AD, used_A)[inverse_A].reshape(N, K, D), axis=1).astype(dtype)
     return (
         dx_ND,
         d_gates_NK,
@@ -181,17 +224,31 @@ def _experts_bwd(kernels, res, dy_ND):
         cast(tgmm(kernels, x_AD, dg_AF, sizes_E), w_gate_EDF),
         cast(tgmm(kernels, x_AD, du_AF, sizes_E), w_up_EDF),
         cast(tgmm(kernels, h_AF, dy_AD, sizes_E), w_down_EFD),
+        d_adapters,
     )
 
 
 _experts.defvjp(_experts_fwd, _experts_bwd)
 
 
-def grouped_experts(x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, *, kernels: str):
+def _pad_rank(adapters, multiple: int):
+    """The adapters with the rank R zero-padded to a multiple of `multiple` (A's last axis, B's middle):
+    the same products, in whole kernel tiles; the padding's gradients are sliced off by autodiff."""
+    pad = -adapters.a_gate_EDR.shape[-1] % multiple
+    if not pad:
+        return adapters
+    a_pad, b_pad = ((0, 0), (0, 0), (0, pad)), ((0, 0), (0, pad), (0, 0))
+    return type(adapters)(*(jnp.pad(x, a_pad if i % 2 == 0 else b_pad) for i, x in enumerate(adapters)))
+
+
+def grouped_experts(x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, adapters=None, *, kernels: str):
     """Dropless SwiGLU experts on expert-sorted rows with grouped kernels (`kernels`: one of KERNELS).
     The rows are sorted once (a stable argsort: within an expert, rows keep their order); the sort's
     inverse takes outputs and input gradients home as gathers, never scatter-adds. Memory grows with
-    the rows (A·D, A·F) and the weights (E·D·F), never with experts × rows."""
+    the rows (A·D, A·F) and the weights (E·D·F), never with experts × rows. Adapters
+    (`dispatch.ExpertAdapters`) are grouped products on the same rows, (x·A)·B, their gradients
+    `tgmm`s too; on the Mosaic GPU kernels, whose tiles are 128 wide (`GPU_DIM_MULTIPLE`), the rank is
+    zero-padded to whole tiles (megablox takes a rank below 128 as one whole-dimension tile)."""
     B, T, D = x_BTD.shape
     K, E = topk_BTK.shape[-1], w_gate_EDF.shape[0]
     A, dtype = B * T * K, x_BTD.dtype
@@ -199,6 +256,10 @@ def grouped_experts(x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF, w_down_EFD
     order_A = jnp.argsort(expert_A, stable=True).astype(jnp.int32)
     inverse_A = jnp.zeros_like(order_A).at[order_A].set(jnp.arange(A, dtype=jnp.int32), unique_indices=True)
     sizes_E = jnp.zeros((E + 1,), jnp.int32).at[expert_A].add(1)[:E]  # index E: "no expert", no group
+    if adapters is not None:
+        adapters = type(adapters)(*(x.astype(dtype) for x in adapters))
+        if kernels == "mosaic_gpu":
+            adapters = _pad_rank(adapters, GPU_DIM_MULTIPLE)
     y_ND = _experts(
         kernels,
         x_BTD.reshape(B * T, D),
@@ -209,5 +270,6 @@ def grouped_experts(x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF, w_down_EFD
         w_gate_EDF.astype(dtype),
         w_up_EDF.astype(dtype),
         w_down_EFD.astype(dtype),
+        adapters,
     )
     return y_ND.reshape(B, T, D)
