@@ -17,7 +17,7 @@ from gspo_jax import sharding
 from gspo_jax.validation import check
 
 
-def expert_parallel(experts, mesh, x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF, w_down_EFD):
+def expert_parallel(experts, mesh, x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, adapters=None):
     """Expert parallelism with an explicit all-to-all (`jax.shard_map` over `mesh`): the tokens are split
     over every data axis (`sharding.DATA_AXES`), the experts over "expert" (S shards of E/S each).
 
@@ -28,6 +28,8 @@ def expert_parallel(experts, mesh, x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_
     C = tokens × min(K, E/S), so no routing overflows it; a token's output is computed from its own row
     only, as in the single-device paths. Expert weights arrive whole along "fsdp" (gathered at the
     boundary, their gradients reduce-scattered back) and split along "tensor" over F (outputs summed).
+    Adapters (`dispatch.ExpertAdapters`) are split like the weights (`_adapter_specs`): each shard runs
+    its own experts' adapters on the rows it receives.
     """
     B, T, D = x_BTD.shape
     K, E = topk_BTK.shape[-1], w_gate_EDF.shape[0]
@@ -37,7 +39,7 @@ def expert_parallel(experts, mesh, x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_
     x_ND, topk_NK, gates_NK = _split_evenly(mesh, x_BTD, topk_BTK, gates_BTK, E)
     f_ax = _f_axis(mesh, w_gate_EDF.shape[-1])
 
-    def local(x_nD, topk_nK, gates_nK, w_gate, w_up, w_down):
+    def local(x_nD, topk_nK, gates_nK, w_gate, w_up, w_down, *adapters):
         n = x_nD.shape[0]
         C = n * min(K, El)
         expert_A = topk_nK.reshape(-1)
@@ -51,7 +53,8 @@ def expert_parallel(experts, mesh, x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_
         send_RD = jnp.concatenate([x_nD, jnp.zeros_like(x_nD[:1])])[token_R]
         exchange = functools.partial(jax.lax.all_to_all, axis_name="expert", split_axis=0, concat_axis=0, tiled=True)
         recv_RD, recv_R = exchange(send_RD), exchange(local_R)
-        y_RD = experts(recv_RD[None], recv_R[None, :, None], jnp.ones((1, S * C, 1), jnp.float32), w_gate, w_up, w_down)
+        ones = jnp.ones((1, S * C, 1), jnp.float32)
+        y_RD = experts(recv_RD[None], recv_R[None, :, None], ones, w_gate, w_up, w_down, *adapters)
         y_RD = jax.lax.psum(y_RD[0], "tensor") if f_ax else y_RD[0]
         back_RD = exchange(y_RD)
         y_AD = jnp.concatenate([back_RD, jnp.zeros_like(back_RD[:1])])[slot_A]
@@ -60,34 +63,55 @@ def expert_parallel(experts, mesh, x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_
 
     tokens = P(sharding.DATA_AXES, None)
     w_in, w_out = P("expert", None, f_ax), P("expert", f_ax, None)
+    extra, extra_specs = _adapter_args(adapters, "expert", f_ax)
     y_ND = jax.shard_map(
-        local, mesh=mesh, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out), out_specs=tokens, check_vma=False
-    )(x_ND, topk_NK, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD)
+        local,
+        mesh=mesh,
+        in_specs=(tokens, tokens, tokens, w_in, w_in, w_out, *extra_specs),
+        out_specs=tokens,
+        check_vma=False,
+    )(x_ND, topk_NK, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD, *extra)
     return y_ND[: B * T].reshape(B, T, D)
 
 
-def batch_parallel(experts, mesh, x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF, w_down_EFD):
+def batch_parallel(experts, mesh, x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_EDF, w_down_EFD, adapters=None):
     """The experts on a mesh without expert parallelism, in a `jax.shard_map` over `mesh`: each device
     runs `experts` on its own tokens (split over every data axis, `sharding.DATA_AXES`) with every
     expert's weights, gathered whole along "fsdp" at the boundary (their gradients summed over the data
     axes on the way back) and split along "tensor" over F where it divides (outputs summed). The grouped
     kernels need it: XLA cannot partition a Mosaic kernel's call (TPU or GPU), so it must see one
-    device's shapes."""
+    device's shapes. Adapters (`dispatch.ExpertAdapters`) go whole too, split over F like the weights."""
     B, T, D = x_BTD.shape
     E = w_gate_EDF.shape[0]
     x_ND, topk_NK, gates_NK = _split_evenly(mesh, x_BTD, topk_BTK, gates_BTK, E)
     f_ax = _f_axis(mesh, w_gate_EDF.shape[-1])
 
-    def local(x_nD, topk_nK, gates_nK, w_gate, w_up, w_down):
-        y_nD = experts(x_nD[None], topk_nK[None], gates_nK[None], w_gate, w_up, w_down)[0]
+    def local(x_nD, topk_nK, gates_nK, w_gate, w_up, w_down, *adapters):
+        y_nD = experts(x_nD[None], topk_nK[None], gates_nK[None], w_gate, w_up, w_down, *adapters)[0]
         return jax.lax.psum(y_nD, "tensor") if f_ax else y_nD
 
     tokens = P(sharding.DATA_AXES, None)
     w_in, w_out = P(None, None, f_ax), P(None, f_ax, None)
+    extra, extra_specs = _adapter_args(adapters, None, f_ax)
     y_ND = jax.shard_map(
-        local, mesh=mesh, in_specs=(tokens, tokens, tokens, w_in, w_in, w_out), out_specs=tokens, check_vma=False
-    )(x_ND, topk_NK, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD)
+        local,
+        mesh=mesh,
+        in_specs=(tokens, tokens, tokens, w_in, w_in, w_out, *extra_specs),
+        out_specs=tokens,
+        check_vma=False,
+    )(x_ND, topk_NK, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD, *extra)
     return y_ND[: B * T].reshape(B, T, D)
+
+
+def _adapter_args(adapters, e_ax: str | None, f_ax: str | None) -> tuple[tuple, tuple]:
+    """The shard_map arguments and specs of the adapters: () without any; else the adapters themselves,
+    split over `e_ax` (E) like the weights and over `f_ax` where an axis is F (B of gate and up, A of
+    down: with h split over F, (h·A_down) is a partial sum that the output's psum completes)."""
+    if adapters is None:
+        return (), ()
+    a_in, b_in = P(e_ax, None, None), P(e_ax, None, f_ax)  # a_gate/a_up [E, D, R], b_gate/b_up [E, R, F]
+    a_out, b_out = P(e_ax, f_ax, None), P(e_ax, None, None)  # a_down [E, F, R], b_down [E, R, D]
+    return (adapters,), (type(adapters)(a_in, b_in, a_in, b_in, a_out, b_out),)
 
 
 def _split_evenly(mesh, x_BTD, topk_BTK, gates_BTK, num_experts: int):
