@@ -23,7 +23,8 @@ from gspo_jax import algorithms, losses
 from gspo_jax.config import as_json, optimizer_keys, warm_start_key
 from gspo_jax.critic import CriticConfig
 from gspo_jax.hf_config import config_from_hf
-from gspo_jax.model_config import ModelConfig
+from gspo_jax.lora import LoraConfig, check_targets
+from gspo_jax.model_config import CONFIG_KEYS, ModelConfig
 from gspo_jax.optimizer import OptimizerConfig
 from gspo_jax.rollout import RolloutConfig
 from gspo_jax.tasks import TASKS, check_fields, check_splits, load_tokenizer, make_task
@@ -142,6 +143,7 @@ class Plan:
     old_router: bool  # the batch carries π_old's router log-probs at its top-k (RSPO off the on-policy path)
     reference: bool  # a frozen π_ref is kept: a KL term in the loss, or in a critic's rewards
     scoring_temperature: float  # log-probs are scored at the sampling temperature
+    lora: bool = False  # LoRA: the state trains adapters on a frozen base (`TrainState.frozen`)
 
 
 def on_policy(train: TrainConfig, loss: losses.LossConfig, critic: CriticConfig | None, staleness: int) -> bool:
@@ -158,7 +160,12 @@ def on_policy(train: TrainConfig, loss: losses.LossConfig, critic: CriticConfig 
 
 
 def plan(
-    train: TrainConfig, loss: losses.LossConfig, rollout: RolloutConfig, critic: CriticConfig | None, micro: int
+    train: TrainConfig,
+    loss: losses.LossConfig,
+    rollout: RolloutConfig,
+    critic: CriticConfig | None,
+    micro: int,
+    lora: bool = False,
 ) -> Plan:
     """The run's derived settings (`Plan`) from its typed sections and resolved micro-batch count."""
     shared = on_policy(train, loss, critic, rollout.staleness)
@@ -172,6 +179,7 @@ def plan(
         old_router=loss.router_shift and not shared,
         reference=loss.kl_coef > 0 or (critic is not None and critic.kl_reward_coef > 0),
         scoring_temperature=float(rollout.temperature),
+        lora=lora,
     )
 
 
@@ -205,10 +213,11 @@ class Built:
         return self.rollout.num_groups * self.rollout.group_size
 
 
-def _typed(name: str, cls, values: dict):
+def _typed(name: str, cls, values: dict, keys: tuple[str, ...] | None = None):
     """`cls(**values)` with any error as one line prefixed by the config key (a `ConfigError` that
-    names its key already, `config.<name>.…`, as it is)."""
-    fields = {f.name for f in dataclasses.fields(cls)}
+    names its key already, `config.<name>.…`, as it is). `keys`: the fields the section may hold
+    (default: all of `cls`'s)."""
+    fields = {f.name for f in dataclasses.fields(cls)} if keys is None else set(keys)
     unknown = sorted(set(values) - fields)
     if unknown:
         raise ConfigError(f"config.{name}: unknown field(s) {unknown}; allowed: {sorted(fields)}")
@@ -228,6 +237,7 @@ def build(config: ml_collections.ConfigDict, device_count: int | None = None) ->
     which a mesh over several processes must cover whole). What a run needs of the config itself (its
     JSON, its warm start's cache name) is taken here: nothing after the build reads the ConfigDict."""
     model_cfg = _model(config)
+    lora = _lora(config, model_cfg)
     loss_cfg = _typed("loss", losses.LossConfig, dict(config.loss))
     rollout_cfg = _typed("rollout", RolloutConfig, dict(config.rollout))
     task = _task(config.task)
@@ -246,6 +256,8 @@ def build(config: ml_collections.ConfigDict, device_count: int | None = None) ->
     _check_update_splits(batch, train)
     warm = _with_optimizer("warm_start", WarmStartConfig, dict(config.warm_start), nested=True)
     critic_cfg, critic_opt = _critic(config, model_cfg)
+    no_critic = "0 with a critic (PPO): LoRA RL is critic-free"
+    check(not (lora.on and critic_cfg), "config", "lora.rank", lora.rank, no_critic)
     experts = [("model", model_cfg)] + ([("critic.model", critic_cfg.model)] if critic_cfg else [])
     for key, m in experts[1:]:  # a separate critic scores the batch in its own chunks
         check(batch % m.batch_chunks == 0, "config", f"{key}.batch_chunks", m.batch_chunks, f"a divisor of {batch}")
@@ -284,7 +296,7 @@ def build(config: ml_collections.ConfigDict, device_count: int | None = None) ->
     return Built(
         algorithm=config.algorithm,
         seed=config.seed,
-        model=model_cfg,
+        model=dataclasses.replace(model_cfg, lora=lora),  # the policy's adapters; the critic has none
         loss=loss_cfg,
         rollout=rollout_cfg,
         task=task,
@@ -295,7 +307,7 @@ def build(config: ml_collections.ConfigDict, device_count: int | None = None) ->
         mesh=mesh,
         critic=critic_cfg,
         critic_optimizer=critic_opt,
-        plan=plan(train, loss_cfg, rollout_cfg, critic_cfg, micro),
+        plan=plan(train, loss_cfg, rollout_cfg, critic_cfg, micro, lora.on),
         hf_checkpoint=config.hf_checkpoint,
         tokenizer_path=config.tokenizer_path,
         cpu_fast_compile=config.cpu_fast_compile,
@@ -328,7 +340,7 @@ def _model(config: ml_collections.ConfigDict) -> ModelConfig:
     choice of what Hugging Face does not describe. The local paths (`hf_checkpoint`, `tokenizer_path`)
     must exist: nothing is downloaded at run time."""
     m = dict(config.model)
-    model_cfg = _typed("model", ModelConfig, m)
+    model_cfg = _typed("model", ModelConfig, m, CONFIG_KEYS)
     for key, what in (
         ("hf_checkpoint", "a local Hugging Face checkpoint directory"),
         ("tokenizer_path", "a local tokenizer.json or directory"),
@@ -344,6 +356,14 @@ def _model(config: ml_collections.ConfigDict) -> ModelConfig:
         except (OSError, ValueError) as e:
             raise ConfigError(f"config.hf_checkpoint={config.hf_checkpoint!r}: {e}") from None
     return model_cfg
+
+
+def _lora(config: ml_collections.ConfigDict, model_cfg: ModelConfig) -> LoraConfig:
+    """`config.lora` typed (rank 0, LoRA off, where a config has no such section), its targets checked
+    against the model: "experts" and "router" only where it has an MoE layer."""
+    lora = _typed("lora", LoraConfig, dict(config.get("lora", {})))
+    check_targets(lora, model_cfg.num_moe_layers > 0)
+    return lora
 
 
 def _check_lengths(
@@ -450,7 +470,7 @@ def _critic(
         raise ConfigError(f"config.critic: unknown field(s) {unknown}; allowed: {sorted(fields)}")
     model = policy
     if section.get("trunk") == "separate":
-        model = _typed("critic.model", ModelConfig, dict(section["model"]))
+        model = _typed("critic.model", ModelConfig, dict(section["model"]), CONFIG_KEYS)
         check(
             model.vocab_size == policy.vocab_size,
             "config",

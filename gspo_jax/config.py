@@ -25,7 +25,8 @@ import ml_collections
 
 from gspo_jax import algorithms
 from gspo_jax.critic import CriticConfig
-from gspo_jax.model_config import SIZES
+from gspo_jax.lora import LoraConfig
+from gspo_jax.model_config import SIZES, config_fields
 from gspo_jax.optimizer import OptimizerConfig
 from gspo_jax.rollout import RolloutConfig
 from gspo_jax.tasks import TASKS, check_fields, task_fields
@@ -86,7 +87,10 @@ def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigD
     # first iteration seconds sooner, each step as fast for small models; False for large ones on CPU.
     config.cpu_fast_compile = True
 
-    config.model = _dataclass_dict(SIZES[size])
+    config.model = config_fields(SIZES[size])
+    # LoRA (`gspo_jax/lora.py`): rank 0 trains the full model; rank > 0 freezes the base and trains
+    # adapters on `targets` (of "attention", "mlp", "experts", "router").
+    config.lora = _dataclass_dict(LoraConfig())
 
     # Sums of three one-digit numbers: the default size's warm start solves 35-50% of held-out prompts
     # (seed 0: 34.7%, seed 1: 49.7%), which leaves RL both headroom and informative groups.

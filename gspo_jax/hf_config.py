@@ -220,6 +220,8 @@ def exportable_config(cfg: ModelConfig, model_type: str = "qwen3_moe", *, extra:
     back = config_from_hf(json.loads(json.dumps(hf)), **{f: getattr(cfg, f) for f in RUN_FIELDS})
     for field in dataclasses.fields(cfg):
         name = field.name
+        if name == "lora":
+            continue  # a run's adapters, not the architecture (an export is of merged weights)
         if name == "mlp_dim" and cfg.num_moe_layers == cfg.num_layers:
             continue  # no dense layer uses it (Mixtral configs cannot hold it)
         if getattr(back, name) != getattr(cfg, name):

@@ -12,6 +12,7 @@ from flax import nnx
 from jax.experimental.layout import Layout, with_layout_constraint
 
 from gspo_jax import flash, sharding
+from gspo_jax.lora import OFF, Adapter, LoraConfig
 from gspo_jax.model_config import ModelConfig
 
 # Large finite negative for masked attention scores: a fully masked row stays finite.
@@ -108,6 +109,17 @@ class Attention(nnx.Module):
         if cfg.qk_norm:
             self.q_norm = RMSNorm(W, cfg.rms_eps, param_dtype=pd, rngs=rngs)
             self.k_norm = RMSNorm(W, cfg.rms_eps, param_dtype=pd, rngs=rngs)
+        if cfg.lora.adapts("attention"):  # in [D] -> out [H, W] (q) / [J, W] (k, v); o: in [H, W] -> out [D]
+            embed = ((D,), ("embed",))
+            self.q_proj_lora = Adapter(cfg.lora, *embed, (H, W), ("heads", "head_dim"), rngs=rngs)
+            self.k_proj_lora = Adapter(cfg.lora, *embed, (J, W), ("kv_heads", "head_dim"), rngs=rngs)
+            self.v_proj_lora = Adapter(cfg.lora, *embed, (J, W), ("kv_heads", "head_dim"), rngs=rngs)
+            self.o_proj_lora = Adapter(cfg.lora, (H, W), ("heads", "head_dim"), *embed, rngs=rngs)
+
+    def _out(self, out_BTHW):
+        """The output projection (with its adapter's term where LoRA adapts attention)."""
+        y_BTD = jnp.einsum("bthw,hwd->btd", out_BTHW, self.o_proj[...].astype(out_BTHW.dtype))
+        return y_BTD + self.o_proj_lora(out_BTHW) if self.cfg.lora.adapts("attention") else y_BTD
 
     def __call__(self, x_BTD, positions_BT, rope, kv=None, return_kv=False):
         """`rope`: the forward's `rope_table`. kv=None: attend within the chunk (and with `return_kv`
@@ -119,6 +131,9 @@ class Attention(nnx.Module):
         q_BTHW = jnp.einsum("btd,dhw->bthw", x_BTD, self.q_proj[...].astype(dtype))
         k_BTJW = jnp.einsum("btd,djw->btjw", x_BTD, self.k_proj[...].astype(dtype))
         v_BTJW = jnp.einsum("btd,djw->btjw", x_BTD, self.v_proj[...].astype(dtype))
+        if cfg.lora.adapts("attention"):
+            q_BTHW, k_BTJW = q_BTHW + self.q_proj_lora(x_BTD), k_BTJW + self.k_proj_lora(x_BTD)
+            v_BTJW = v_BTJW + self.v_proj_lora(x_BTD)
         q_BTHW, k_BTJW = row_major_cotangent(q_BTHW), row_major_cotangent(k_BTJW)
         if cfg.qk_norm:
             q_BTHW, k_BTJW = self.q_norm(q_BTHW), self.k_norm(k_BTJW)
@@ -130,7 +145,7 @@ class Attention(nnx.Module):
         if fused is not None:  # a chunk within itself on a GPU: cuDNN's flash attention
             out_BTHW = flash.attend(q_BTHW, k_BTJW, v_BTJW, positions_BT, implementation=fused)
             new_kv = (k_BTJW, v_BTJW) if return_kv else None
-            return jnp.einsum("bthw,hwd->btd", out_BTHW, self.o_proj[...].astype(dtype)), new_kv
+            return self._out(out_BTHW), new_kv
         if kv is None:
             keys, vals, key_pos_BS, k_slot_S = k_BTJW, v_BTJW, positions_BT, q_slot_T
             new_kv = (k_BTJW, v_BTJW) if return_kv else None
@@ -157,20 +172,35 @@ class Attention(nnx.Module):
         else:  # a plain batched [Q·T, S] x [S, W] matmul per (sequence, head), then the small output moved
             out_BTJQW = jnp.einsum("bjqts,bjsw->bjqtw", probs_BJQTS, vals).transpose(0, 3, 1, 2, 4)
         out_BTHW = out_BTJQW.reshape(B, T, cfg.num_heads, cfg.head_dim)
-        return jnp.einsum("bthw,hwd->btd", out_BTHW, self.o_proj[...].astype(dtype)), new_kv
+        return self._out(out_BTHW), new_kv
 
 
 class MLP(nnx.Module):
-    """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
+    """SwiGLU feed-forward: down(silu(gate(x)) * up(x)); with `lora` adapting "mlp", each projection
+    gets its low-rank pair (`lora.Adapter`)."""
 
-    def __init__(self, embed_dim: int, mlp_dim: int, *, param_dtype, rngs: nnx.Rngs):
+    def __init__(self, embed_dim: int, mlp_dim: int, *, param_dtype, rngs: nnx.Rngs, lora: LoraConfig = OFF):
         self.gate_proj = sharding.param(rngs, fan_in(0, 1), (embed_dim, mlp_dim), ("embed", "mlp"), param_dtype)
         self.up_proj = sharding.param(rngs, fan_in(0, 1), (embed_dim, mlp_dim), ("embed", "mlp"), param_dtype)
         self.down_proj = sharding.param(rngs, fan_in(0, 1), (mlp_dim, embed_dim), ("mlp", "embed"), param_dtype)
+        if lora.adapts("mlp"):
+            D, F = ((embed_dim,), ("embed",)), ((mlp_dim,), ("mlp",))
+            self.gate_proj_lora = Adapter(lora, *D, *F, rngs=rngs)
+            self.up_proj_lora = Adapter(lora, *D, *F, rngs=rngs)
+            self.down_proj_lora = Adapter(lora, *F, *D, rngs=rngs)
+
+    @property
+    def adapted(self) -> bool:
+        """Whether the projections have adapters (a property: no attribute joins the graph at rank 0)."""
+        return hasattr(self, "gate_proj_lora")
 
     def __call__(self, x_BTD):
         dtype = x_BTD.dtype
-        g_BTF = row_major_cotangent(x_BTD @ self.gate_proj[...].astype(dtype))
-        u_BTF = row_major_cotangent(x_BTD @ self.up_proj[...].astype(dtype))
+        g_BTF = x_BTD @ self.gate_proj[...].astype(dtype)
+        u_BTF = x_BTD @ self.up_proj[...].astype(dtype)
+        if self.adapted:
+            g_BTF, u_BTF = g_BTF + self.gate_proj_lora(x_BTD), u_BTF + self.up_proj_lora(x_BTD)
+        g_BTF, u_BTF = row_major_cotangent(g_BTF), row_major_cotangent(u_BTF)
         h_BTF = jax.nn.silu(g_BTF) * u_BTF
-        return h_BTF @ self.down_proj[...].astype(dtype)
+        y_BTD = h_BTF @ self.down_proj[...].astype(dtype)
+        return y_BTD + self.down_proj_lora(h_BTF) if self.adapted else y_BTD

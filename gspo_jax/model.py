@@ -136,9 +136,10 @@ class Block(nnx.Module):
                 param_dtype=pd,
                 dtype=cfg.jnp_dtype,
                 rngs=rngs,
+                lora=cfg.lora,
             )
         else:
-            self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, param_dtype=pd, rngs=rngs)
+            self.mlp = MLP(cfg.embed_dim, cfg.mlp_dim, param_dtype=pd, rngs=rngs, lora=cfg.lora)
 
     def __call__(self, x_BTD, positions_BT, rope, kv=None, forced_BTK=None, return_kv=False):
         """Returns (x, new_kv, router stats or None); see `Attention` for `kv` and `return_kv`, and
@@ -452,13 +453,19 @@ def logprobs(
     return logp_BT, aux
 
 
+LORA_STREAM = 0x10A  # folded into a seed's key for the adapters' stream
+
+
 def abstract_model(cfg: ModelConfig) -> tuple[nnx.GraphDef, nnx.State]:
     """(graphdef, abstract state of ShapeDtypeStructs) without allocating parameters."""
     return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
 
 
 def _random_state(cfg: ModelConfig, seed: jax.Array) -> nnx.State:
-    return nnx.split(Transformer(cfg, rngs=nnx.Rngs(jax.random.key(seed))))[1]
+    key = jax.random.key(seed)
+    # With LoRA the adapters draw from a stream of their own: the base is the same as without them.
+    streams = {"lora": jax.random.fold_in(key, LORA_STREAM)} if cfg.lora.on else {}
+    return nnx.split(Transformer(cfg, rngs=nnx.Rngs(key, **streams)))[1]
 
 
 def init(cfg: ModelConfig, seed: int, shardings=None) -> tuple[nnx.GraphDef, nnx.State]:

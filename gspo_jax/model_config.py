@@ -12,6 +12,7 @@ import jax
 import jax.numpy as jnp
 
 from gspo_jax.dispatch import DISPATCHES
+from gspo_jax.lora import LoraConfig, check_targets
 from gspo_jax.validation import check, check_choice, check_int, check_number
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
@@ -66,6 +67,9 @@ class ModelConfig:
     # The scoring forward (π_old, π_ref, drift: `model.score`) and the sampler's prefill run the batch as
     # this many chunks, one after another, so their activations are a chunk's; 1: the whole batch at once.
     batch_chunks: int = 1
+    # Low-rank adapters (`gspo_jax/lora.py`): not a `config.model` key (`CONFIG_KEYS`); `built.build` sets it
+    # from the `config.lora` section. The default (rank 0) adds nothing.
+    lora: LoraConfig = LoraConfig()
 
     def __post_init__(self):
         object.__setattr__(self, "dense_layers", tuple(int(i) for i in self.dense_layers))
@@ -99,6 +103,8 @@ class ModelConfig:
         check_choice(own, "remat", self.remat, tuple(REMAT_POLICIES))
         check_int(own, "logprob_chunk", self.logprob_chunk, low=0)
         check_int(own, "batch_chunks", self.batch_chunks, low=1)
+        check(isinstance(self.lora, LoraConfig), own, "lora", self.lora, "a lora.LoraConfig")
+        check_targets(self.lora, self.num_moe_layers > 0, own)
 
     def is_moe_layer(self, i: int) -> bool:
         """Qwen3-MoE rule: MoE iff experts exist, (i+1) % moe_every == 0 and i not in dense_layers."""
@@ -130,7 +136,18 @@ class ModelConfig:
 
     @property
     def jnp_param_dtype(self):
-        return DTYPES[self.param_dtype]
+        """The weights' storage dtype: `param_dtype`, or with LoRA on its frozen base's `lora.base_dtype`
+        where set (the adapters are float32 whatever it is)."""
+        return DTYPES[(self.lora.on and self.lora.base_dtype) or self.param_dtype]
+
+
+# The fields that are `config.model` keys: all but `lora`, which the `config.lora` section sets.
+CONFIG_KEYS = tuple(f.name for f in dataclasses.fields(ModelConfig) if f.name != "lora")
+
+
+def config_fields(cfg: ModelConfig) -> dict:
+    """`cfg` as `config.model` lays it out (`CONFIG_KEYS`)."""
+    return {k: getattr(cfg, k) for k in CONFIG_KEYS}
 
 
 SIZES: dict[str, ModelConfig] = {

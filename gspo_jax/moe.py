@@ -18,8 +18,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from gspo_jax import dispatch as dispatch_paths
 from gspo_jax import expert_parallel, sharding
 from gspo_jax.dispatch import DISPATCHES, experts_fn, resolve_dispatch
+from gspo_jax.lora import OFF, Adapter, LoraConfig
 from gspo_jax.validation import check, check_choice
 
 
@@ -92,7 +94,9 @@ class MoE(nnx.Module):
     """Sparse SwiGLU experts behind a float32 top-k router.
 
     Parameters (HF-mappable): router [embed, expert]; gate_proj/up_proj
-    [expert, embed, mlp]; down_proj [expert, mlp, embed].
+    [expert, embed, mlp]; down_proj [expert, mlp, embed]. With `lora` adapting "router" the router gets
+    a low-rank pair, and adapting "experts" each expert's projections get theirs (`lora.Adapter`), run
+    by the dispatch path on the routed rows only (`dispatch.ExpertAdapters`).
     """
 
     def __init__(
@@ -107,6 +111,7 @@ class MoE(nnx.Module):
         param_dtype=jnp.float32,
         dtype=jnp.float32,
         rngs: nnx.Rngs,
+        lora: LoraConfig = OFF,
     ):
         check_choice("MoE", "dispatch", dispatch, DISPATCHES)
         check(1 <= top_k <= num_experts, "MoE", "top_k", top_k, f"in [1, num_experts={num_experts}]")
@@ -130,6 +135,20 @@ class MoE(nnx.Module):
         self.down_proj = sharding.param(
             rngs, fan_in(-2), (num_experts, mlp_dim, embed_dim), ("expert", "mlp", "embed"), param_dtype
         )
+        D, F, E = ((embed_dim,), ("embed",)), ((mlp_dim,), ("mlp",)), num_experts
+        if lora.adapts("router"):
+            self.router_lora = Adapter(lora, *D, (E,), ("expert",), rngs=rngs)
+        if lora.adapts("experts"):
+            self.gate_proj_lora = Adapter(lora, *D, *F, experts=E, rngs=rngs)
+            self.up_proj_lora = Adapter(lora, *D, *F, experts=E, rngs=rngs)
+            self.down_proj_lora = Adapter(lora, *F, *D, experts=E, rngs=rngs)
+
+    def expert_adapters(self) -> dispatch_paths.ExpertAdapters | None:
+        """The experts' adapters as the dispatch paths take them (α/r folded into B); None without."""
+        if not hasattr(self, "gate_proj_lora"):
+            return None
+        g, u, d = self.gate_proj_lora, self.up_proj_lora, self.down_proj_lora
+        return dispatch_paths.ExpertAdapters(g.a[...], g.scaled_b(), u.a[...], u.scaled_b(), d.a[...], d.scaled_b())
 
     def __call__(
         self,
@@ -147,6 +166,8 @@ class MoE(nnx.Module):
             self.router[...].astype(jnp.float32),
             precision=jax.lax.Precision.HIGHEST,
         )
+        if hasattr(self, "router_lora"):
+            logits_BTE = logits_BTE + self.router_lora(x_BTD, jnp.float32, jax.lax.Precision.HIGHEST)
         topk_BTK, gates_BTK, probs_BTE = route(
             logits_BTE, self.top_k, self.renormalize, forced_topk_BTK, forced_gates_BTK
         )
@@ -154,6 +175,7 @@ class MoE(nnx.Module):
         dispatch = resolve_dispatch(self.dispatch, platform, self.dtype, dims)
         experts = experts_fn(dispatch, platform, self.dtype, dims)
         experts = expert_parallel.parallel_experts(experts, dispatch, jax.sharding.get_abstract_mesh())
+        adapters = self.expert_adapters()
         y_BTD = experts(
             x_BTD.astype(self.dtype),
             topk_BTK,
@@ -161,6 +183,7 @@ class MoE(nnx.Module):
             self.gate_proj[...],
             self.up_proj[...],
             self.down_proj[...],
+            **({} if adapters is None else {"adapters": adapters}),  # rank 0: the call it always was
         )
         stats = RouterOutput(
             topk_BTK=topk_BTK,

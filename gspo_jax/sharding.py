@@ -43,6 +43,7 @@ LOGICAL_AXES = (
     "layers",
     "norm",
     "cache_seq",
+    "lora",
 )
 
 # The one rules table: logical axis -> mesh axis (or tuple of mesh axes, or None).
@@ -58,6 +59,7 @@ RULES: tuple[tuple[str, Any], ...] = (
     ("layers", None),
     ("norm", None),
     ("cache_seq", None),
+    ("lora", None),  # a low-rank adapter's rank (`gspo_jax/lora.py`): small, replicated
 )
 
 
@@ -67,8 +69,11 @@ def param(
     shape: Sequence[int],
     axes: Sequence[str | None],
     dtype: Any,
+    kind: type[nnx.Param] = nnx.Param,
+    stream: str = "params",
 ) -> nnx.Param:
-    """An `nnx.Param` initialised by `init` and annotated with logical `axes`.
+    """An `nnx.Param` (or subclass `kind`, e.g. `nnx.LoRAParam`) initialised by `init` with a key of
+    `rngs`' `stream` and annotated with logical `axes`.
 
     Eager sharding is off so a model can be built without a mesh; shardings are
     applied later from the annotations (`param_shardings`).
@@ -79,7 +84,7 @@ def param(
     unknown = [a for a in axes if a is not None and a not in LOGICAL_AXES]
     if unknown:
         raise ValueError(f"param: unknown logical axes {unknown}; allowed {LOGICAL_AXES}")
-    return nnx.Param(init(rngs.params(), shape, dtype), out_sharding=axes, eager_sharding=False)
+    return kind(init(getattr(rngs, stream)(), shape, dtype), out_sharding=axes, eager_sharding=False)
 
 
 def mesh_from_config(data: int, fsdp: int, expert: int, tensor: int, devices=None) -> Mesh:
