@@ -13,6 +13,7 @@ legend for the whole package:
   J  key/value heads                           Q  query heads per key/value head, H / J
   W  head width                                E  experts
   K  experts chosen per token (router top-k)   L  MoE layers (the layers whose routing is recorded)
+  R  a low-rank adapter's rank (LoRA, `gspo_jax/lora.py`; the sparse dispatch path's block rows too)
 
 Router choices are batch-first everywhere: `[B, L, T, K]`.
 """
