@@ -53,8 +53,9 @@ def expert_parallel(experts, mesh, x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_
         send_RD = jnp.concatenate([x_nD, jnp.zeros_like(x_nD[:1])])[token_R]
         exchange = functools.partial(jax.lax.all_to_all, axis_name="expert", split_axis=0, concat_axis=0, tiled=True)
         recv_RD, recv_R = exchange(send_RD), exchange(local_R)
-        ones = jnp.ones((1, S * C, 1), jnp.float32)
-        y_RD = experts(recv_RD[None], recv_R[None, :, None], ones, w_gate, w_up, w_down, *adapters)
+        y_RD = experts(
+            recv_RD[None], recv_R[None, :, None], jnp.ones((1, S * C, 1), jnp.float32), w_gate, w_up, w_down, *adapters
+        )
         y_RD = jax.lax.psum(y_RD[0], "tensor") if f_ax else y_RD[0]
         back_RD = exchange(y_RD)
         y_AD = jnp.concatenate([back_RD, jnp.zeros_like(back_RD[:1])])[slot_A]
