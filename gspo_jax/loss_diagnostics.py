@@ -8,7 +8,7 @@ its loss. All of it is computed without gradient. Shape letters: see `gspo_jax/_
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -16,10 +16,19 @@ import jax.numpy as jnp
 from gspo_jax.metrics import Max, Mean, Metric, Min, Sum
 from gspo_jax.ratios import kl_k3, masked_sum
 
-if TYPE_CHECKING:
-    from gspo_jax.losses import PolicyTerms
-
 Array = jax.Array
+
+
+class PolicyTerms(NamedTuple):
+    """The policy part of a loss before its denominator, and what its diagnostics read."""
+
+    numerator: Array  # the aggregation's numerator: the policy losses summed
+    log_s_B: Array  # each sequence's log-ratio, for the seq_ratio_* diagnostics
+    low_BT: Array  # bool: tokens clipped at the low side (a sequence's: all its tokens)
+    high_BT: Array  # bool: ... at the high side
+    dual_BT: Array  # bool: ... capped by the dual clip
+    seq_clipped_B: Array  # bool: sequences with anything clipped
+    weight_BT: Array  # each token's gradient weight relative to A·∇logp
 
 
 class DiagnosticInputs(NamedTuple):

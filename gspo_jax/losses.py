@@ -38,7 +38,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
-from gspo_jax.loss_diagnostics import DiagnosticInputs, diagnostics, split_diagnostics
+from gspo_jax.loss_diagnostics import DiagnosticInputs, PolicyTerms, diagnostics, split_diagnostics
 from gspo_jax.metrics import Mean, Metric, Sum
 from gspo_jax.ratios import (
     GATE_FNS,
@@ -327,18 +327,6 @@ def _kl_term(cfg: LossConfig, logp_BT: Array, ref_BT: Array | None, mask_BT: Arr
     kl_agg = "seq_mean_token_mean" if cfg.aggregation == "sequence" else cfg.aggregation
     kl_num = token_loss_numerator(kl_agg, kl_BT, mask_BT, cfg.sum_norm_len)
     return kl_num, {"kl_ref": Mean(masked_sum(kl_BT, mask_BT), jnp.sum(mask_BT))}
-
-
-class PolicyTerms(NamedTuple):
-    """The policy part of a loss before its denominator, and what its diagnostics read."""
-
-    numerator: Array  # the aggregation's numerator: the policy losses summed
-    log_s_B: Array  # each sequence's log-ratio, for the seq_ratio_* diagnostics
-    low_BT: Array  # bool: tokens clipped at the low side (a sequence's: all its tokens)
-    high_BT: Array  # bool: ... at the high side
-    dual_BT: Array  # bool: ... capped by the dual clip
-    seq_clipped_B: Array  # bool: sequences with anything clipped
-    weight_BT: Array  # each token's gradient weight relative to A·∇logp
 
 
 def _sequence_policy(

@@ -16,15 +16,28 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 
-if TYPE_CHECKING:
-    from gspo_jax.losses import LossConfig
-
 Array = jax.Array
+
+
+class GateSettings(Protocol):
+    """What the gates read of a loss's settings (`losses.LossConfig` has them all)."""
+
+    eps_low: float
+    eps_high: float
+    dual_clip_c: float | None
+    log_ratio_clamp: float
+    sapo_tau_pos: float
+    sapo_tau_neg: float
+    vespo_k_pos: float
+    vespo_k_neg: float
+    vespo_lambda_pos: float
+    vespo_lambda_neg: float
+
 
 # VESPO's floor on log W (TRL and the paper's code clamp W at 1e-8): φ there is ~e^λ·1e-8^k, i.e. 0.
 VESPO_LOG_W_MIN = math.log(1e-8)
@@ -155,7 +168,7 @@ class Gated(NamedTuple):
     weight: Array  # gradient weight relative to the plain policy gradient A·∇logp, for diagnostics
 
 
-def clip_gate(cfg: LossConfig, log_x: Array, adv: Array, logp: Array | None = None) -> Gated:
+def clip_gate(cfg: GateSettings, log_x: Array, adv: Array, logp: Array | None = None) -> Gated:
     """PPO clip ℓ = -min(x·A, clip(x)·A), written as a select so a clipped unit's gradient is 0.
 
     With dual clip, for A < 0 the loss is further capped at -c·A (also zero gradient there).
@@ -174,7 +187,7 @@ def clip_gate(cfg: LossConfig, log_x: Array, adv: Array, logp: Array | None = No
     return Gated(loss, low, high, dual, weight)
 
 
-def cispo_gate(cfg: LossConfig, log_x: Array, adv: Array, logp: Array | None = None) -> Gated:
+def cispo_gate(cfg: GateSettings, log_x: Array, adv: Array, logp: Array | None = None) -> Gated:
     """CISPO: ℓ = -sg(clip(r, 1-eps_low, 1+eps_high))·A·logp; every token keeps its gradient."""
     x = jnp.exp(log_x)
     high, low = x > 1.0 + cfg.eps_high, x < 1.0 - cfg.eps_low
@@ -182,7 +195,7 @@ def cispo_gate(cfg: LossConfig, log_x: Array, adv: Array, logp: Array | None = N
     return Gated(-w * adv * logp, low, high, jnp.zeros_like(high), w)
 
 
-def sapo_gate(cfg: LossConfig, log_x: Array, adv: Array, logp: Array | None = None) -> Gated:
+def sapo_gate(cfg: GateSettings, log_x: Array, adv: Array, logp: Array | None = None) -> Gated:
     """SAPO soft gate: ℓ = -A·(4/τ)·σ(τ(x - 1)), τ = τ_pos if A > 0 else τ_neg.
 
     Its gradient is A·4σ(1-σ)·x·∇log x, equal to the policy gradient at x = 1 and decaying smoothly
@@ -197,7 +210,7 @@ def sapo_gate(cfg: LossConfig, log_x: Array, adv: Array, logp: Array | None = No
     return Gated(-adv * (4.0 / tau) * sig, no, no, no, weight)
 
 
-def vespo_gate(cfg: LossConfig, log_x: Array, adv: Array, logp: Array | None = None) -> Gated:
+def vespo_gate(cfg: GateSettings, log_x: Array, adv: Array, logp: Array | None = None) -> Gated:
     """VESPO: ℓ = -sg(φ(x))·A·logp with the gamma kernel φ(x) = x^k·e^{λ(1-x)}, k, λ by sign(A) (A >= 0: pos).
 
     φ(1) = 1 and φ is largest at x = k/λ, then decays as e^{-λx}: a smooth, asymmetric reshaping of the
