@@ -165,9 +165,9 @@ def merged(cfg, state: nnx.State):
     expert for the experts), the adapters dropped. The reference for tests: the adapted forward of
     (cfg, state) equals the plain forward of the merged pair up to float rounding."""
     adapters, base = split(state)
-    weights = dict(base.flat_state())
+    weights = dict(nnx.to_flat_state(base))
     pairs: dict[tuple, dict[str, nnx.Variable]] = {}
-    for path, v in adapters.flat_state():
+    for path, v in nnx.to_flat_state(adapters):
         pairs.setdefault(tuple(path[:-1]), {})[path[-1]] = v
     for path, ab in pairs.items():
         *parent, name = path
@@ -176,4 +176,4 @@ def merged(cfg, state: nnx.State):
         d = delta(ab["a"].get_value(), ab["b"].get_value(), b_axes.index(LORA_AXIS), cfg.lora.scale)
         w = weights[key].get_value()
         weights[key] = weights[key].replace((w.astype(jnp.float32) + d).astype(w.dtype))  # a new Variable
-    return dataclasses.replace(cfg, lora=LoraConfig()), nnx.State.from_flat_path(weights)
+    return dataclasses.replace(cfg, lora=LoraConfig()), nnx.from_flat_state(weights)

@@ -1,7 +1,7 @@
 """LoRA on the policy (gspo_jax/lora.py): the `config.lora` keys and their refusals, rank 0 changing
 nothing, the adapters starting as the base exactly, and the unmerged forward and its gradients equal to
 the merged-weight reference, on one device and sharded. The experts' dispatch paths with adapters are
-tests/test_lora_experts.py's; here the experts run on the "dense" reference."""
+tests/test_lora_experts.py's; here the experts run on the "dense" reference (and "auto" at init)."""
 
 from __future__ import annotations
 
@@ -43,14 +43,20 @@ def logp(graphdef, state, seed: int = 1):
     return logprobs_fn(graphdef)(state, *inputs(seed))[0]
 
 
-def perturbed(state: nnx.State, scale: float = 0.1) -> nnx.State:
-    """`state` with every B drawn normal (at init B = 0, and the adapters would do nothing)."""
-    adapters, base = lora.split(state)
-    flat = [
-        (path, v.replace(scale * jax.random.normal(jax.random.key(i), v.get_value().shape)) if path[-1] == "b" else v)
-        for i, (path, v) in enumerate(adapters.flat_state())
-    ]
-    return lora.union(base, nnx.State.from_flat_path(flat))
+def random_state(cfg: model_config.ModelConfig):
+    """(graphdef, a state of `cfg`'s shapes drawn by NumPy, B included): no init program to compile.
+    Norm scales 1, embeddings unit normal, every other weight normal with std 0.1."""
+    graphdef, abstract = model.abstract_model(cfg)
+    rng = np.random.default_rng(1)
+
+    def draw(path, v):
+        shape, dtype = v.get_value().shape, v.get_value().dtype
+        if path[-1] == "scale":
+            return v.replace(jnp.ones(shape, dtype))
+        std = 1.0 if path[-1] == "embed_tokens" else 0.1
+        return v.replace(jnp.asarray(std * rng.standard_normal(shape), dtype))
+
+    return graphdef, nnx.from_flat_state([(path, draw(path, v)) for path, v in nnx.to_flat_state(abstract)])
 
 
 # ------------------------------------------------------------------ config keys
@@ -136,12 +142,8 @@ def test_rank_0_is_the_model_it_was():
 # ------------------------------------------------------------------ adapters
 
 
-def test_adapters_have_the_shapes_axes_and_init_asked_for():
-    cfg = tiny(rank=4, alpha=8.0, targets=ALL)
-    adapters, base = lora.split(model.init(cfg, 0)[1])
-    _, plain = model.init(tiny(), 0)
-    # The base is the model without adapters, bit for bit (the adapters draw from a stream of their own).
-    jax.tree.map(np.testing.assert_array_equal, base, plain)
+def test_adapters_have_the_shapes_axes_and_types_asked_for():
+    adapters, _ = lora.split(model.abstract_model(tiny(rank=4, alpha=8.0, targets=ALL))[1])
     moe = adapters["stacks"][1]["layer"]["mlp"]
     n, E, D, F = 2, 8, 64, 32
     assert moe["gate_proj_lora"]["a"].get_value().shape == (n, E, D, 4)
@@ -152,9 +154,21 @@ def test_adapters_have_the_shapes_axes_and_init_asked_for():
     attn = adapters["stacks"][0]["layer"]["self_attn"]
     assert attn["q_proj_lora"]["b"].get_value().shape == (1, 4, 4, 16)  # [layers, R, H, W]
     assert attn["o_proj_lora"]["a"].get_value().shape == (1, 4, 16, 4)  # [layers, H, W, R]
+    assert set(adapters["stacks"][0]["layer"]["mlp"]) == {"gate_proj_lora", "up_proj_lora", "down_proj_lora"}
     for v in jax.tree.leaves(adapters, is_leaf=sharding.is_variable):
         assert type(v) is nnx.LoRAParam and v.get_value().dtype == jnp.float32
-    for path, v in adapters.flat_state():
+    only_mlp, _ = lora.split(model.abstract_model(tiny(rank=2, targets=("mlp",)))[1])
+    assert {p[-2] for p, _ in nnx.to_flat_state(only_mlp)} == {"gate_proj_lora", "up_proj_lora", "down_proj_lora"}
+    assert len(jax.tree.leaves(only_mlp)) == 6  # the dense layer's only: experts are not "mlp"
+
+
+@pytest.mark.slow  # two init programs to compile
+def test_init_draws_a_fan_in_normal_and_b_zero_and_leaves_the_base_as_it_was():
+    adapters, base = lora.split(model.init(tiny(rank=4, alpha=8.0, targets=ALL), 0)[1])
+    _, plain = model.init(tiny(), 0)
+    # The base is the model without adapters, bit for bit (the adapters draw from a stream of their own).
+    jax.tree.map(np.testing.assert_array_equal, base, plain)
+    for path, v in nnx.to_flat_state(adapters):
         x = np.asarray(v.get_value())
         if path[-1] == "b":
             assert not x.any()
@@ -163,43 +177,47 @@ def test_adapters_have_the_shapes_axes_and_init_asked_for():
             assert abs(x.std() * np.sqrt(fan_in) - 1) < 0.25, path
 
 
-@pytest.mark.parametrize("dispatch", ["dense", "auto"])
-def test_at_init_the_adapted_policy_is_the_base_bitwise(dispatch):
-    targets = ALL if dispatch == "dense" else ("attention", "mlp", "router")  # other experts paths: L2's tests
-    cfg = dataclasses.replace(tiny(rank=4, targets=targets), dispatch=dispatch)
-    graphdef, state = model.init(cfg, 0)
-    base_cfg = dataclasses.replace(cfg, lora=LoraConfig())
-    base_graphdef, _ = model.abstract_model(base_cfg)
+@pytest.mark.parametrize("dispatch", ["dense", pytest.param("auto", marks=pytest.mark.slow)])
+def test_with_b_zero_the_adapted_policy_is_the_base_bitwise(dispatch):
+    """B = 0, as at init: the log-probs are the base's (the same parameters without adapters) bit for bit."""
+    cfg = dataclasses.replace(tiny(rank=4, alpha=8.0, targets=ALL), dispatch=dispatch)  # auto: sparse on CPU
+    graphdef, state = random_state(cfg)
+    zero_b = [(p, v.replace(jnp.zeros_like(v.get_value())) if p[-1] == "b" else v) for p, v in nnx.to_flat_state(state)]
+    state = nnx.from_flat_state(zero_b)
+    base_graphdef, _ = model.abstract_model(dataclasses.replace(cfg, lora=LoraConfig()))
     np.testing.assert_array_equal(logp(graphdef, state), logp(base_graphdef, lora.split(state)[1]))
 
 
-@pytest.mark.parametrize("targets", [("attention",), ("mlp",), ("router",), ("experts",), ALL])
+@pytest.mark.parametrize(
+    "targets",
+    [ALL] + [pytest.param((t,), marks=pytest.mark.slow) for t in ALL],  # one compile each; ALL holds them together
+)
 def test_forward_equals_the_merged_reference(targets):
     cfg = tiny(rank=4, alpha=8.0, targets=targets)
-    graphdef, state = model.init(cfg, 0)
-    state = perturbed(state)
+    graphdef, state = random_state(cfg)
     merged_cfg, merged_state = lora.merged(cfg, state)
     assert merged_cfg.lora == LoraConfig() and not jax.tree.leaves(lora.split(merged_state)[0])
     merged_graphdef, _ = model.abstract_model(merged_cfg)
     adapted = logp(graphdef, state)
     base = logp(merged_graphdef, lora.split(state)[1])
-    assert float(jnp.abs(adapted - base).max()) > 1e-2  # the perturbed adapters do change the policy
+    assert float(jnp.abs(adapted - base).max()) > 1e-2  # the adapters do change the policy
     np.testing.assert_allclose(adapted, logp(merged_graphdef, merged_state), atol=2e-5, rtol=1e-5)
 
 
 def test_merged_leaves_its_input_alone():
-    cfg = tiny(rank=2, targets=("mlp",))
-    state = perturbed(model.init(cfg, 0)[1])
+    cfg = tiny(rank=4, alpha=8.0, targets=ALL)
+    state = random_state(cfg)[1]
     before = jax.tree.map(np.asarray, state)
     lora.merged(cfg, state)
     jax.tree.map(np.testing.assert_array_equal, state, before)
 
 
+@pytest.mark.slow  # two backward passes to compile
 def test_adapter_gradients_equal_the_merged_references():
     """d/dA, d/dB of a loss on the unmerged forward = those through W + (α/r)·A·B (chain rule)."""
     cfg = tiny(rank=4, alpha=8.0, targets=ALL)
-    graphdef, state = model.init(cfg, 0)
-    adapters, base = lora.split(perturbed(state))
+    graphdef, state = random_state(cfg)
+    adapters, base = lora.split(state)
     merged_cfg = dataclasses.replace(cfg, lora=LoraConfig())
     merged_graphdef, _ = model.abstract_model(merged_cfg)
     tokens_BT, positions_BT = inputs()
@@ -217,14 +235,13 @@ def test_adapter_gradients_equal_the_merged_references():
     unmerged, reference = grad(adapters, False), grad(adapters, True)
     scale = max(float(jnp.abs(g).max()) for g in jax.tree.leaves(reference))
     assert scale > 0
-    for (path, g), (_, r) in zip(unmerged.flat_state(), reference.flat_state()):
+    for (path, g), (_, r) in zip(nnx.to_flat_state(unmerged), nnx.to_flat_state(reference)):
         np.testing.assert_allclose(g.get_value(), r.get_value(), atol=1e-4 * scale, rtol=1e-3, err_msg=str(path))
 
 
 def test_sharded_adapted_forward_equals_unsharded():
     cfg = tiny(rank=4, alpha=8.0, targets=ALL)
-    graphdef, state = model.init(cfg, 0)
-    state = perturbed(state)
+    graphdef, state = random_state(cfg)
     expected = logp(graphdef, state)
     mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
     shardings = sharding.param_shardings(mesh, state)
