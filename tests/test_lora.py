@@ -254,3 +254,20 @@ def test_sharded_adapted_forward_equals_unsharded():
     fn = jax.jit(sharding.under_mesh(functools.partial(model.logprobs, graphdef), mesh))
     got = fn(jax.device_put(state, shardings), tokens_BT, positions_BT)[0]
     np.testing.assert_allclose(got, expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.slow  # a prefill and a decode step to compile
+def test_prefill_then_decode_with_adapters_matches_the_full_forward():
+    """The sampler's path: the adapters act on the KV-cache forward (each layer sliced from its stack) as
+    on the full one."""
+    cfg = tiny(rank=4, alpha=8.0, targets=ALL)
+    graphdef, state = random_state(cfg)
+    tokens_BT, positions_BT = inputs()
+    apply = jax.jit(functools.partial(model.apply, graphdef))
+    full_BTV = apply(state, tokens_BT, positions_BT)[0]
+    P = 6
+    logits, aux = apply(state, tokens_BT[:, :P], positions_BT[:, :P], model.init_cache(cfg, B, T))
+    np.testing.assert_allclose(logits, full_BTV[:, :P], atol=2e-5, rtol=1e-5)
+    for t in range(P, T):
+        logits, aux = apply(state, tokens_BT[:, t : t + 1], positions_BT[:, t : t + 1], aux.cache)
+        np.testing.assert_allclose(logits[:, 0], full_BTV[:, t], atol=2e-5, rtol=1e-5)
