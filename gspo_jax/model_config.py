@@ -103,6 +103,8 @@ class ModelConfig:
         check_choice(own, "remat", self.remat, tuple(REMAT_POLICIES))
         check_int(own, "logprob_chunk", self.logprob_chunk, low=0)
         check_int(own, "batch_chunks", self.batch_chunks, low=1)
+        if isinstance(self.lora, dict):  # as `dataclasses.asdict` writes it (e.g. a model_config.json)
+            object.__setattr__(self, "lora", LoraConfig(**self.lora))
         check(isinstance(self.lora, LoraConfig), own, "lora", self.lora, "a lora.LoraConfig")
         check_targets(self.lora, self.num_moe_layers > 0, own)
 

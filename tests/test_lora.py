@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 
 import jax
 import jax.numpy as jnp
@@ -121,6 +122,12 @@ def test_hf_config_ignores_lora():
     cfg = tiny(rank=4, targets=ALL)
     assert hf_config.config_to_hf(cfg) == hf_config.config_to_hf(tiny())
     assert hf_config.exportable_config(cfg) == hf_config.exportable_config(tiny())
+
+
+def test_model_config_reads_back_from_json_with_its_adapters():
+    """As scripts/convert_hf.py writes and reads a model_config.json (`dataclasses.asdict`)."""
+    for cfg in (tiny(), tiny(rank=2, alpha=4.0, targets=("mlp", "router"))):
+        assert model_config.ModelConfig(**json.loads(json.dumps(dataclasses.asdict(cfg)))) == cfg
 
 
 # ------------------------------------------------------------------ rank 0: nothing changes
