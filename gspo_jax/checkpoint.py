@@ -40,6 +40,7 @@ from collections.abc import Iterable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
 from jax.experimental import multihost_utils
@@ -353,15 +354,46 @@ def _file_digests(step_dir) -> dict[str, str]:
     return out
 
 
+@jax.jit
+def _leaf_sums(leaves):
+    """Per leaf, its float32 sum and sum of magnitudes: a cheap fingerprint computed on the devices."""
+    return [jnp.stack([jnp.sum(x.astype(jnp.float32)), jnp.sum(jnp.abs(x.astype(jnp.float32)))]) for x in leaves]
+
+
+def base_identity(base, source: str) -> dict[str, str]:
+    """A LoRA run's frozen base as its checkpoints record it: where it comes from (`source`) and a hash
+    of its content (each leaf's path, shape, dtype and float32 sums, the sums to 7 significant digits so that a
+    mesh that reorders a reduction still matches); the base never leaves the devices."""
+    flat = jax.tree_util.tree_flatten_with_path(base)[0]
+    sums = jax.device_get(_leaf_sums([x for _, x in flat]))
+    rows = [
+        [jax.tree_util.keystr(p), list(x.shape), str(x.dtype), *(f"{v:.6e}" for v in s)]
+        for (p, x), s in zip(flat, sums)
+    ]
+    return dict(source=source, hash=hashlib.sha256(json.dumps(rows).encode()).hexdigest()[:16])
+
+
+def check_base(saved: dict | None, current: dict) -> None:
+    """Refuses, in one line, to resume a LoRA run's adapters on another base than they were trained on."""
+    saved = saved or {}
+    differ = [k for k in ("source", "hash") if saved.get(k) != current[k]]
+    if differ:
+        k = differ[0]
+        raise ConfigError(
+            f"checkpoint's LoRA base differs from this run's: {k} {saved.get(k)!r} there, {current[k]!r} here; "
+            "resume on the same base (hf_checkpoint, warm start, base_dtype) or use a new workdir"
+        )
+
+
 class CheckpointMismatch(ConfigError):
     """The workdir has checkpoints but none restores into this run's state: training would never save."""
 
 
-def resume(ckpt: Checkpointer, abstract: Any, prompts) -> tuple[int, Any] | None:
-    """(first iteration to run, restored state) from the newest good checkpoint of a run (its meta
-    holds `iteration` and `prompts`, the prompt iterator's position), or None when the directory has
-    none; restores `prompts` in place. Raises `CheckpointMismatch` when checkpoints exist but none
-    restores: the run would never save."""
+def resume(ckpt: Checkpointer, abstract: Any, prompts, with_meta: bool = False) -> tuple | None:
+    """(first iteration to run, restored state[, its meta with `with_meta`]) from the newest good
+    checkpoint of a run (its meta holds `iteration` and `prompts`, the prompt iterator's position), or
+    None when the directory has none; restores `prompts` in place. Raises `CheckpointMismatch` when
+    checkpoints exist but none restores: the run would never save."""
     restored = ckpt.restore_latest(abstract)
     if restored is None:
         if ckpt.all_steps():
@@ -374,4 +406,4 @@ def resume(ckpt: Checkpointer, abstract: Any, prompts) -> tuple[int, Any] | None
     _, state, meta = restored
     prompts.restore(meta["prompts"])
     log.info("resumed from iteration %d", int(meta["iteration"]))
-    return int(meta["iteration"]) + 1, state
+    return (int(meta["iteration"]) + 1, state) + ((meta,) if with_meta else ())

@@ -10,10 +10,11 @@ import dataclasses
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 from flax import nnx
 
 from gspo_jax import built as built_lib
-from gspo_jax import compiles, staleness
+from gspo_jax import checkpoint, compiles, staleness
 from gspo_jax import model as model_lib
 from gspo_jax import programs as programs_lib
 from gspo_jax import sharding as sharding_lib
@@ -36,11 +37,18 @@ class RunContext:
     prompts: Any  # the train split's resumable prompt iterator (`tasks.prompt_iterator`)
     reference: nnx.State | None = None  # π_ref's parameters where `Plan.reference` (set by `start`)
     lag: staleness.PolicyLag | None = None  # the lagged policies of `rollout.staleness` (set by `start`)
+    # LoRA: the base's model (LoRA off; what the warm start trains) and its identity (set by `start`)
+    base_graphdef: nnx.GraphDef | None = None
+    base: dict | None = None
 
     def start(self, params, restored: tuple[TrainState, staleness.PolicyLag] | None = None) -> TrainState:
         """The train state the run starts from, `restored` from a checkpoint or fresh from `params` (it
         owns a copy); π_ref is `params` where the plan keeps one, and the lag is the restored one or k
-        slots of `params`' copy."""
+        slots of `params`' copy. Under LoRA `params` is the base (`set_up`'s, warm-started): the state
+        takes it as its frozen part, cast to `lora.base_dtype` (the caller lets go of it), with fresh
+        adapters or the restored ones; π_ref is then built when needed (`reference_policy`)."""
+        if self.built.plan.lora:
+            return self._start_lora(params, restored)
         self.reference = params if self.built.plan.reference else None
         if restored is not None:
             state, self.lag = restored
@@ -49,20 +57,53 @@ class RunContext:
         self.lag = staleness.PolicyLag.fresh(self.built.rollout.staleness, state.params)
         return state
 
+    def _start_lora(self, params, restored) -> TrainState:
+        base = programs_lib.as_base(self.programs, params)
+        self.base = checkpoint.base_identity(base, base_source(self.built))
+        if restored is not None:
+            state, self.lag = restored
+            return state.replace(frozen=base)
+        adapters = programs_lib.init_adapters(self.built, self.programs)
+        state = programs_lib.init_train_state(self.programs, adapters, self.built.seed, frozen=base)
+        self.lag = staleness.PolicyLag.fresh(self.built.rollout.staleness, state.params)  # adapters only
+        return state
+
+    def reference_policy(self, state: TrainState) -> nnx.State | None:
+        """π_ref's parameters where the plan keeps one: the kept start, or under LoRA the state's base
+        with its adapters zero (the base exactly; no second copy of the weights)."""
+        if not (self.built.plan.lora and self.built.plan.reference):
+            return self.reference
+        return state.with_adapters(jax.tree.map(jnp.zeros_like, state.params))
+
+    def abstract_state(self) -> TrainState:
+        """The train state's shapes, dtypes and shardings (what a checkpoint restores into, less the
+        base: `staleness.saved`)."""
+        return programs_lib.abstract_train_state(self.programs, self.programs.policy)
+
 
 def set_up(built: built_lib.Built, mesh: jax.sharding.Mesh | None = None) -> tuple[RunContext, nnx.State]:
     """The run's context and its policy's initial parameters (on the mesh): the mesh (`built.mesh`'s
     resolved axes unless given), the policy (`programs.init_policy`), its programs (the train step and
-    drift compiling in the background), the rollout and the prompt stream."""
+    drift compiling in the background), the rollout and the prompt stream. Under LoRA the parameters
+    are the base's (the model with LoRA off): the programs and sampler take the adapted policy's shapes."""
     if mesh is None:
         mesh = sharding_lib.make_mesh(**built.mesh.axes())
         sharding_lib.warn_idle_devices(mesh)
-    graphdef, params = programs_lib.init_policy(built, mesh)
-    programs = programs_lib.compile_programs(built, graphdef, params, mesh)
-    programs = programs_lib.compile_in_background(programs, built, params)
-    rollout = make_rollout(built, graphdef, params, mesh)
+    base_graphdef, params = programs_lib.init_policy(built, mesh)
+    graphdef, policy = (base_graphdef, params) if not built.plan.lora else programs_lib.abstract_policy(built)
+    programs = programs_lib.compile_programs(built, graphdef, policy, mesh)
+    programs = programs_lib.compile_in_background(programs, built, policy)
+    rollout = make_rollout(built, graphdef, programs.policy if built.plan.lora else params, mesh)
     prompts = prompt_iterator(built.task, seed=built.seed, split="train")
-    return RunContext(built, mesh, graphdef, programs, rollout, prompts), params
+    ctx = RunContext(built, mesh, graphdef, programs, rollout, prompts, base_graphdef=base_graphdef)
+    return ctx, params
+
+
+def base_source(built: built_lib.Built) -> str:
+    """Where a LoRA run's base comes from, as its checkpoints record it: the Hugging Face checkpoint or
+    the random init's seed, and the warm start's cache key when there is one."""
+    source = f"hf_checkpoint={built.hf_checkpoint}" if built.hf_checkpoint else f"random init, seed={built.seed}"
+    return source + (f"; warm_start_key={built.warm_start_key}" if built.warm_start.steps else "")
 
 
 def make_rollout(built: built_lib.Built, graphdef, params, mesh: jax.sharding.Mesh) -> Rollout:

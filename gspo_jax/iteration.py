@@ -61,10 +61,11 @@ def rl_iteration(ctx: RunContext, state: TrainState, iteration: int) -> tuple[Tr
     key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), iteration)
     phases = Phases()
     with phases("rollout"):
-        behaviour = state.params if lag is None else lag.behaviour(state.params)
+        # Under LoRA the lag holds adapters: the behaviour policy is today's base with the lagged ones.
+        behaviour = state.policy if lag is None else state.with_adapters(lag.behaviour(state.params))
         batch, metrics = ctx.rollout(behaviour, ctx.prompts, jax.random.fold_in(key, 0))
     with phases("logprob"):
-        full, mismatch_metrics = prepare_batch(ctx, behaviour, batch)
+        full, mismatch_metrics = prepare_batch(ctx, behaviour, batch, ctx.reference_policy(state))
         metrics.update(mismatch_metrics)
         del behaviour  # the lag's oldest copy is freed once its work is done: k copies at most
         if programs.estimate is not None:  # PPO: the critic's values and GAE replace the group advantages
@@ -77,7 +78,7 @@ def rl_iteration(ctx: RunContext, state: TrainState, iteration: int) -> tuple[Tr
             metrics.update(staleness=float(lag.k), policy_lag=float(staleness.policy_lag(lag.k, iteration)))
             if train.drift_metrics:  # today's policy against the behaviour policy's routing, before the update
                 sub = full if train.drift_subsample == 1 else programs.take(full, drift_rows)
-                metrics.update(staleness.drift_to_log(programs.drift(state.params, sub)))
+                metrics.update(staleness.drift_to_log(programs.drift(state.policy, sub)))
             lag.advance(state.params)
     with phases("update"):
         router_before = [jnp.copy(x) for x in optimizer_lib.router_leaves(state.params)]  # the update donates them
@@ -95,7 +96,7 @@ def rl_iteration(ctx: RunContext, state: TrainState, iteration: int) -> tuple[Tr
     with phases("drift"):
         if train.drift_metrics:
             sub = full if train.drift_subsample == 1 else programs.take(full, drift_rows)
-            drift = programs.drift(state.params, sub)
+            drift = programs.drift(state.policy, sub)
             metrics.update(routing.drift_to_log(drift))
             if (loads := routing.expert_loads(drift)) is not None:
                 metrics["expert_loads"] = loads  # not a scalar: the run writes it to routing.jsonl
@@ -121,7 +122,7 @@ def _updates(programs: Programs, train: TrainConfig, state: TrainState, full: Tr
     return state, full, step_metrics
 
 
-def prepare_batch(ctx: RunContext, params, batch) -> tuple[TrainBatch, dict[str, float]]:
+def prepare_batch(ctx: RunContext, params, batch, reference=None) -> tuple[TrainBatch, dict[str, float]]:
     """The rollout on the mesh: π_old's routing from the sampler (R3) or the trainer (R2, none), π_old's
     log-probs from `train.old_logp_source` (the trainer's scored under that same routing, so the update's
     ratio is exactly 1 at θ_old), π_ref's log-probs when there is a reference; and the sampler–trainer
@@ -129,7 +130,8 @@ def prepare_batch(ctx: RunContext, params, batch) -> tuple[TrainBatch, dict[str,
     own forward will measure it (`rl_iteration`). With
     `programs.on_policy` the trainer's log-probs (and, but under R3 / R3W, its routing) are left for the
     update's own forward to fill in. For RSPO off that path, π_old's scoring forward also gives its router
-    log-probs at `topk` (`programs.score_router`)."""
+    log-probs at `topk` (`programs.score_router`). π_ref: `reference` (`RunContext.reference_policy`),
+    else `ctx.reference`."""
     programs, plan, train = ctx.programs, ctx.built.plan, ctx.built.train
     sh = programs.batch_shardings
     tokens = jax.device_put(batch.tokens, sh.tokens)
@@ -157,7 +159,7 @@ def prepare_batch(ctx: RunContext, params, batch) -> tuple[TrainBatch, dict[str,
             logp_replayed = programs.score_replayed(params, tokens, positions, forced)[0]
         if train.old_logp_source == "trainer":  # π_old under the routing the update replays
             old_logp = logp_replayed if r3 else logp_live
-    ref = ctx.reference
+    ref = ctx.reference if reference is None else reference
     ref_logp = jnp.zeros_like(old_logp) if ref is None else programs.score(ref, tokens, positions)[0]
     given = dict(tokens=tokens, positions=positions, completion_mask=batch.completion_mask, loss_mask=batch.loss_mask)
     given.update(old_logp=old_logp, sampler_logp=sampler_logp, ref_logp=ref_logp, topk=topk, gates=gates)

@@ -5,23 +5,25 @@ called like the function, lowered as it is for AOT compiles and profiles."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Callable
 from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 from flax import nnx
 
 from gspo_jax import built as built_lib
-from gspo_jax import compiles, hf, routing
+from gspo_jax import compiles, hf, lora, routing
 from gspo_jax import critic as critic_lib
 from gspo_jax import model as model_lib
 from gspo_jax import optimizer as optimizer_lib
 from gspo_jax import sharding as sharding_lib
 from gspo_jax.compiles import Program
-from gspo_jax.train import Schedules, Scored, StepConfig, TrainBatch, TrainState, train_step
+from gspo_jax.train import Schedules, Scored, StepConfig, TrainBatch, TrainState, train_step, trainable
 
 
 class Programs(NamedTuple):
@@ -43,6 +45,14 @@ class Programs(NamedTuple):
     # (params, tokens, positions, None or as score_replayed's) -> (logp, topk, router log-probs at topk
     # [B, L, T, K]): π_old's scoring with its router, for RSPO (`Plan.old_router`); else None
     score_router: Program | None = None
+    # The whole policy's shapes, dtypes and shardings (what the scoring forwards, the drift and the
+    # sampler take): under LoRA its base's and adapters' together.
+    policy: nnx.State | None = None
+
+    @property
+    def lora(self) -> bool:
+        """The state trains adapters on a frozen base (`Plan.lora`)."""
+        return self.state_shardings.frozen is not None
 
     @property
     def on_policy(self) -> bool:
@@ -51,8 +61,9 @@ class Programs(NamedTuple):
 
 
 def init_policy(built: built_lib.Built, mesh: jax.sharding.Mesh) -> tuple[nnx.GraphDef, nnx.State]:
-    """(graphdef, params on the mesh): from `hf_checkpoint`, or a random init from `seed`."""
-    model_cfg = built.model
+    """(graphdef, params on the mesh): from `hf_checkpoint`, or a random init from `seed`; under LoRA
+    the base's, the model with LoRA off (what the warm start trains; `as_base` casts it after)."""
+    model_cfg = base_model(built)
     if built.hf_checkpoint:
         _, graphdef, params = hf.load_hf_checkpoint(
             built.hf_checkpoint, dtype=model_cfg.param_dtype, dispatch=model_cfg.dispatch, mesh=mesh
@@ -62,14 +73,40 @@ def init_policy(built: built_lib.Built, mesh: jax.sharding.Mesh) -> tuple[nnx.Gr
     return model_lib.init(model_cfg, built.seed, shardings)
 
 
+def base_model(built: built_lib.Built):
+    """The model the base is: `built.model` with LoRA off (itself without LoRA)."""
+    return dataclasses.replace(built.model, lora=lora.LoraConfig()) if built.plan.lora else built.model
+
+
+def abstract_policy(built: built_lib.Built) -> tuple[nnx.GraphDef, nnx.State]:
+    """(graphdef, abstract whole policy) of `built.model`: under LoRA its base and adapters."""
+    return model_lib.abstract_model(built.model)
+
+
+def as_base(programs: Programs, params: nnx.State) -> nnx.State:
+    """The LoRA base from the base model's parameters: each leaf cast to the adapted model's storage
+    dtype for it (`lora.base_dtype`) and placed like it (no copy where nothing changes)."""
+    sh = programs.state_shardings.frozen
+    like = lora.split(programs.policy)[1]
+    same = all(x.dtype == y.dtype for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(like), strict=True))
+    if same:
+        return jax.device_put(params, sh)
+    cast = lambda x, y: x.astype(y.dtype)
+    return jax.jit(lambda p: jax.tree.map(cast, p, like), out_shardings=sh)(params)
+
+
 def compile_programs(built: built_lib.Built, graphdef, params, mesh: jax.sharding.Mesh) -> Programs:
-    """Jits `train_step`, the scoring forward and the drift measurement for this run's shapes."""
+    """Jits `train_step`, the scoring forward and the drift measurement for this run's shapes; `params`
+    is the whole policy (or its abstract), under LoRA its base and adapters."""
     train = built.train
     rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-    param_sh = sharding_lib.param_shardings(mesh, params)
+    policy_sh = sharding_lib.param_shardings(mesh, params)  # scoring, drift
+    trained, frozen = trainable(params, built.plan.lora)
+    param_sh = policy_sh if frozen is None else sharding_lib.param_shardings(mesh, trained)
+    frozen_sh = None if frozen is None else sharding_lib.param_shardings(mesh, frozen)
     tx = optimizer_lib.make_optimizer(built.optimizer.rule)
-    opt_sh = optimizer_lib.state_shardings(tx, params, param_sh, mesh)
-    state_sh = TrainState(step=rep, params=param_sh, opt_state=opt_sh, rng=rep)
+    opt_sh = optimizer_lib.state_shardings(tx, trained, param_sh, mesh)
+    state_sh = TrainState(step=rep, params=param_sh, opt_state=opt_sh, rng=rep, frozen=frozen_sh)
     # Module-level functions with their static arguments marked, not closures: equal configs (a run
     # resumed in the same process) reuse the compilation.
     on_mesh = functools.partial(sharding_lib.under_mesh, mesh=mesh)
@@ -96,12 +133,12 @@ def compile_programs(built: built_lib.Built, graphdef, params, mesh: jax.shardin
         compiler_options=options,
     )
     score, score_replayed, score_router = _scoring_programs(
-        mesh, param_sh, batch_sh, options, graphdef, temperature, plan.old_router
+        mesh, policy_sh, batch_sh, options, graphdef, temperature, plan.old_router
     )
     drift = jax.jit(
         on_mesh(routing.measure_drift),
         static_argnums=(0, 1, 2),
-        in_shardings=(param_sh, batch_sh),
+        in_shardings=(policy_sh, batch_sh),
         out_shardings=rep,
         compiler_options=options,
     )
@@ -120,6 +157,7 @@ def compile_programs(built: built_lib.Built, graphdef, params, mesh: jax.shardin
         batch_shardings=batch_sh,
         mesh=mesh,
         score_router=score_router,
+        policy=sharding_lib.abstract(params, policy_sh),
     )
 
 
@@ -174,8 +212,7 @@ def compile_in_background(programs: Programs, built: built_lib.Built, params) ->
     step = programs.train_step.in_background(abstract_train_state(programs, params), batch(B // train.minibatches))
     if not train.drift_metrics:
         return programs._replace(train_step=step)
-    abstract_params = sharding_lib.abstract(params, programs.state_shardings.params)
-    drift = programs.drift.in_background(abstract_params, batch(B // train.drift_subsample))
+    drift = programs.drift.in_background(programs.policy, batch(B // train.drift_subsample))
     return programs._replace(train_step=step, drift=drift)
 
 
@@ -185,9 +222,10 @@ def take_rows(tree, rows):
     return jax.tree.map(lambda x: x[rows], tree)
 
 
-def init_train_state(programs: Programs, params, seed: int) -> TrainState:
+def init_train_state(programs: Programs, params, seed: int, frozen=None) -> TrainState:
     """A fresh train state on the mesh. It owns a copy of `params`: `train_step` donates its state,
-    and the caller's params may still be needed (the reference policy)."""
+    and the caller's params may still be needed (the reference policy). Under LoRA `params` are the
+    adapters and `frozen` the base, which the state takes as it is (not copied: the caller lets go)."""
     sh = programs.state_shardings
     # The critic's trunk copies the (warm-started) policy's, before the policy trains.
     critic = None if programs.init_critic is None else programs.init_critic(params)
@@ -195,10 +233,24 @@ def init_train_state(programs: Programs, params, seed: int) -> TrainState:
     opt_state = optimizer_lib.init_state(programs.optimizer, params, sh.params, sh.opt_state)
     rng = jax.random.key_data(jax.random.key(seed))
     state = TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state, rng=rng, critic=critic)
-    return jax.device_put(state, sh)
+    return jax.device_put(state.replace(frozen=frozen), sh)
 
 
 def abstract_train_state(programs: Programs, params) -> TrainState:
-    """The train state's shapes, dtypes and shardings, without computing it (what `resume` fills)."""
-    abstract = jax.eval_shape(functools.partial(init_train_state, programs, seed=0), params)
+    """The train state's shapes, dtypes and shardings, without computing it (what `resume` fills);
+    `params` the whole policy (under LoRA the programs' own abstract one is used)."""
+    trained, frozen = lora.split(programs.policy) if programs.lora else (params, None)
+    abstract = jax.eval_shape(lambda p, f: init_train_state(programs, p, 0, f), trained, frozen)
     return sharding_lib.abstract(abstract, programs.state_shardings)
+
+
+def init_adapters(built: built_lib.Built, programs: Programs) -> nnx.State:
+    """A fresh LoRA policy's adapters (A random, B zero: the model's own init) on the mesh: one jitted
+    init of the whole model that returns only the adapters, so the base's init is dead code."""
+    sh, opts = programs.state_shardings.params, compiles.run_once_options()
+    build = jax.jit(_adapters, static_argnums=0, out_shardings=sh, compiler_options=opts)
+    return build(built.model, np.int32(built.seed))
+
+
+def _adapters(cfg, seed) -> nnx.State:
+    return lora.split(model_lib._random_state(cfg, seed))[0]  # the model's own init, less the base

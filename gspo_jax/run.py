@@ -16,9 +16,8 @@ import jax
 from gspo_jax import built as built_lib
 from gspo_jax import context, multihost, plots, staleness
 from gspo_jax import iteration as iteration_lib
-from gspo_jax import programs as programs_lib
 from gspo_jax import workdir as workdir_lib
-from gspo_jax.checkpoint import Checkpointer, PreemptionGuard, resume
+from gspo_jax.checkpoint import Checkpointer, PreemptionGuard, check_base, resume
 from gspo_jax.compiles import CompileCounter
 from gspo_jax.evaluate import evaluate
 from gspo_jax.progress import Progress
@@ -71,27 +70,29 @@ def _run(built: built_lib.Built, workdir: Path, *, progress: bool, log_every: in
     ctx, params = context.set_up(built)
     evaluation = functools.partial(evaluate, ctx.rollout, seed=built.seed + 1, num_batches=train.eval_batches)
 
-    def evaluate_and_log(step: int, params) -> dict[str, float]:
+    def evaluate_and_log(step: int, params) -> dict[str, float]:  # the whole policy (`TrainState.policy`)
         metrics, samples = evaluation(params)
         writer.write_samples(step, samples)
         return metrics
 
     ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=train.keep_checkpoints, save_every=train.checkpoint_every)
     with ckpt, MetricWriter(workdir) as writer, PreemptionGuard(sigint=True) as guard:
-        abstract = programs_lib.abstract_train_state(ctx.programs, params)
+        abstract = ctx.abstract_state()
         k = built.rollout.staleness  # its lagged policies are checkpointed beside the train state
-        restored = resume(ckpt, staleness.abstract(abstract, k), ctx.prompts)  # before any work
-        params, warm_start_info = warm_start(
-            built, ctx.graphdef, params, mesh=ctx.mesh, rollout=ctx.rollout, workdir=workdir
+        restored = resume(ckpt, staleness.abstract(abstract, k), ctx.prompts, with_meta=True)  # before any work
+        params, warm_start_info = warm_start(  # under LoRA the base, trained as the model without adapters
+            built, ctx.base_graphdef, params, mesh=ctx.mesh, rollout=ctx.rollout, workdir=workdir
         )
         start = restored[0] if restored else 0
         state = ctx.start(params, staleness.restored(restored[1], abstract) if restored else None)
-        del params  # the state owns its copy; π_ref, where kept, is `ctx.reference`
+        del params  # the state owns its copy (under LoRA it is the state's base); π_ref: `ctx.reference_policy`
+        if restored and ctx.base is not None:  # adapters resume only on the base they were trained on
+            check_base(restored[2].get("base"), ctx.base)
         if is_main:  # rows past the restored step were logged by work the resumed run redoes
             workdir_lib.drop_rows_after(workdir, start if restored else -1)
         if not restored:
             info = {k: float(v) for k, v in warm_start_info.items()}
-            writer.write(0, {**evaluate_and_log(0, state.params), **info})
+            writer.write(0, {**evaluate_and_log(0, state.policy), **info})
         last: dict[str, float] = {}
         bar = Progress(train.num_iterations, start, built.algorithm, every=log_every, enabled=progress)
         for it in range(start, train.num_iterations):
@@ -99,13 +100,13 @@ def _run(built: built_lib.Built, workdir: Path, *, progress: bool, log_every: in
             state, metrics = iteration_lib.rl_iteration(ctx, state, it)
             t0 = time.perf_counter()
             if (it + 1) % train.eval_every == 0 or it + 1 == train.num_iterations:
-                metrics.update(evaluate_and_log(it + 1, state.params), eval_seconds=time.perf_counter() - t0)
+                metrics.update(evaluate_and_log(it + 1, state.policy), eval_seconds=time.perf_counter() - t0)
             metrics["xla_compiles"] = float(counter.count)
             if (loads := metrics.pop("expert_loads", None)) is not None:
                 writer.write_routing(it + 1, loads)
             writer.write(it + 1, metrics)  # before the save: a step is never checkpointed without its row
             last = metrics
-            meta = dict(iteration=it, prompts=ctx.prompts.state())
+            meta = dict(iteration=it, prompts=ctx.prompts.state()) | ({"base": ctx.base} if ctx.base else {})
             stop = multihost.any_process(guard.requested)  # a signal may reach only some hosts
             ckpt.save(it + 1, staleness.saved(state, ctx.lag), meta, force=stop or it + 1 == train.num_iterations)
             bar.update(metrics)

@@ -26,7 +26,8 @@ LAGGED = "lagged_policies"  # the checkpoint's key for them, beside the train st
 class PolicyLag:
     """The k policies before today's, oldest first, as parameter copies on the device (k × the
     parameters' memory; slots not yet filled share the starting copy). With k = 0 it holds nothing
-    and `behaviour` is today's policy."""
+    and `behaviour` is today's policy. Under LoRA it holds the trainable adapters only (`state.params`):
+    a lagged policy is the state's base with them (`TrainState.with_adapters`)."""
 
     def __init__(self, policies: Sequence[Any]):
         self._queue = collections.deque(policies)
@@ -73,7 +74,10 @@ def _copy(params):
 def saved(state, lag: PolicyLag):
     """What a checkpoint holds: the train state, and with k > 0 its fields beside the lagged policies
     (`params` stays a top-level key, so a tool that reads only it, `snapshots.load_params`, reads any
-    run's). Given an abstract state and lag, the abstract tree to restore into."""
+    run's). Given an abstract state and lag, the abstract tree to restore into. Never a LoRA run's
+    frozen base (`TrainState.frozen`): its adapters (and the lag's) are saved, the base is rebuilt."""
+    if getattr(state, "frozen", None) is not None:
+        state = state.replace(frozen=None)
     if not lag.k:
         return state
     return {**{f.name: getattr(state, f.name) for f in dataclasses.fields(state)}, LAGGED: list(lag.policies)}

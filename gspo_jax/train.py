@@ -15,7 +15,7 @@ from flax import nnx, struct
 
 from gspo_jax import built as built_lib
 from gspo_jax import critic as critic_lib
-from gspo_jax import losses, mismatch, routing
+from gspo_jax import lora, losses, mismatch, routing
 from gspo_jax import metrics as metrics_lib
 from gspo_jax import model as model_lib
 from gspo_jax import optimizer as optimizer_lib
@@ -33,6 +33,23 @@ class TrainState:
     opt_state: optax.OptState
     rng: Array  # uint32 key data: portable across PRNG implementations and orbax versions
     critic: critic_lib.CriticState | None = None  # PPO's value model and its optimizer (`config.critic`)
+    # LoRA (`Plan.lora`): the frozen base, and `params` its adapters only (no gradient, no optimizer
+    # state for it). Donated with the state and passed through aliased: nothing else may hold it.
+    frozen: nnx.State | None = None
+
+    @property
+    def policy(self) -> nnx.State:
+        """The whole policy: `params`, or under LoRA the frozen base with them (`lora.union`, no copy)."""
+        return self.with_adapters(self.params)
+
+    def with_adapters(self, params) -> nnx.State:
+        """The policy of these trainable `params` (a lagged policy's): under LoRA on the state's base."""
+        return params if self.frozen is None else lora.union(self.frozen, params)
+
+
+def trainable(params: nnx.State, lora_on: bool) -> tuple[nnx.State, nnx.State | None]:
+    """(what trains, the frozen base or None) of a whole policy: its adapters and base under LoRA."""
+    return lora.split(params) if lora_on else (params, None)
 
 
 # Each TrainBatch field's dtype and axes, from the one batch field table (`sharding.BATCH_FIELDS`):
@@ -177,7 +194,7 @@ def train_step(
     micro = jax.tree.map(lambda x: model_lib.split_batch(x, static.microbatches), batch)  # strided: `split_batch`
     # π_θ's routing against π_old's, per token: on-policy they are the same policy, so nothing to split.
     split = static.routing_diagnostics and not static.on_policy and batch.topk.shape[1] > 0
-    loss_fn = functools.partial(_loss, static, denom, split)
+    loss_fn = functools.partial(_loss, static, denom, split, state.frozen)  # differentiated wrt params only
 
     def accumulate(grads, mb):
         (_, (metrics, scored)), g = jax.value_and_grad(loss_fn, has_aux=True)(state.params, mb)
@@ -203,13 +220,15 @@ def train_step(
     return state, metrics_lib.per_update(metrics), scored
 
 
-def _loss(static: StepConfig, denom, split: bool, params, mb: TrainBatch):
+def _loss(static: StepConfig, denom, split: bool, frozen, params, mb: TrainBatch):
     """One micro-batch's loss (its share of the minibatch's, over `denom`), its metrics, and what its
-    forward scored at π_old (`Scored`; used on the on-policy path)."""
+    forward scored at π_old (`Scored`; used on the on-policy path). Under LoRA the forward is the
+    `frozen` base's with the adapters `params`."""
     cfg, forced = static.loss, static.forced_routing(mb)
     router_logits = (split and forced is not None) or cfg.router_shift
+    policy = params if frozen is None else lora.union(frozen, params)
     logp_BT, aux = model_lib.logprobs(
-        static.graphdef, params, mb.tokens, mb.positions, forced, static.temperature, router_logits
+        static.graphdef, policy, mb.tokens, mb.positions, forced, static.temperature, router_logits
     )
     old_BT = jax.lax.stop_gradient(logp_BT) if static.on_policy else mb.old_logp
     corr = _corrections(cfg, old_BT, mb)

@@ -1,0 +1,158 @@
+"""LoRA RL on the trainer's side (issue 64, points 3 and 4): the state trains the adapters only and
+passes the frozen base through the donated step uncopied; π_ref is the base (adapters zero); bounded
+staleness, R3 and the KL path run under LoRA; checkpoints hold the adapters, resume bitwise, refuse
+another base and are several times smaller than a full fine-tune's."""
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from test_train import _metrics, _sigterm_after, minibatch
+
+from gspo_jax import context, lora
+from gspo_jax import model as model_lib
+from gspo_jax import run as run_lib
+from gspo_jax.built import build
+from gspo_jax.config import base_config
+from gspo_jax.validation import ConfigError
+
+
+def lora_config(rank=4, **lora_keys):
+    """The tiny preset with one MoE stack of two layers of four experts, LoRA on, no warm start, a KL
+    term (so a reference policy)."""
+    c = base_config("gspo", "tiny")
+    c.loss.kl_coef = 0.05
+    c.model.update(num_layers=2, dense_layers=(), num_experts=4)
+    c.lora.update(rank=rank, **lora_keys)
+    c.warm_start.steps = 0
+    return c
+
+
+class LoraSetup:
+    """A LoRA run's context and state, as `run.py` sets them up; `minibatch` (test_train) reads these."""
+
+    def __init__(self, config):
+        self.config, self.built = config, build(config)
+        self.ctx, self.base = context.set_up(self.built)
+        self.programs = self.ctx.programs
+        self.mb_size = self.built.batch_size // config.train.minibatches
+
+    @property
+    def params(self):  # `minibatch` scores with it: the policy at its start is the base
+        return self.state.policy
+
+
+def _kinds(state) -> set[type]:
+    return {type(v) for _, v in state.flat_state()}
+
+
+def _base_logp(s: LoraSetup, base, tokens, positions):
+    """The base model's (LoRA off) own scoring of the tokens."""
+    score = jax.jit(model_lib.score, static_argnums=(0, 1))
+    return score(s.ctx.base_graphdef, s.built.plan.scoring_temperature, base, tokens, positions)[0]
+
+
+def test_lora_is_off_by_default_and_refused_with_a_critic():
+    assert not build(base_config("gspo", "tiny")).plan.lora
+    assert build(lora_config()).plan.lora
+    c = base_config("ppo", "tiny")
+    c.lora.rank = 4
+    with pytest.raises(ConfigError, match=r"config\.lora\.rank.*critic"):
+        build(c)
+
+
+def test_lora_state_trains_adapters_only_and_the_base_passes_through_uncopied():
+    """The state's `params` are the adapters and its optimizer state covers them only; the frozen base
+    comes out of the donated step bitwise and in the same buffers; the policy at the start, and π_ref
+    (adapters zero), score exactly as the base model does; the step moves the adapters."""
+    s = LoraSetup(lora_config())
+    s.state = s.ctx.start(s.base)  # the state takes the base: `s.base` is not used after this
+    state = s.state
+    assert _kinds(state.params) == {nnx.LoRAParam} and nnx.LoRAParam not in _kinds(state.frozen)
+    n_adapters = sum(x.size for x in jax.tree.leaves(state.params))
+    n_base = sum(x.size for x in jax.tree.leaves(state.frozen))
+    n_opt = sum(x.size for x in jax.tree.leaves(state.opt_state))
+    assert n_opt <= 2 * n_adapters + 8 < n_base  # AdamW's two moments of the adapters, counters
+    batch = minibatch(s)
+    tokens_positions = (batch.tokens, batch.positions)
+    base_copy = jax.tree.map(np.array, state.frozen)  # copies: a numpy view of a buffer blocks its donation
+    logp_base = _base_logp(s, state.frozen, *tokens_positions)
+    logp_policy = s.programs.score(state.policy, *tokens_positions)[0]
+    logp_ref = s.programs.score(s.ctx.reference_policy(state), *tokens_positions)[0]
+    np.testing.assert_allclose(logp_policy, logp_base, rtol=0, atol=1e-6)  # B = 0: the base exactly
+    np.testing.assert_array_equal(logp_ref, logp_policy)  # π_ref: the same base, adapters zero
+    pointers = [x.unsafe_buffer_pointer() for x in jax.tree.leaves(state.frozen)]
+    adapters_before = jax.tree.map(np.array, state.params)
+    new, metrics, _ = s.programs.train_step(state, jax.device_put(batch, s.programs.batch_shardings))
+    assert np.isfinite(float(metrics["loss"].compute())) and float(metrics["grad_norm"].compute()) > 0
+    assert [x.unsafe_buffer_pointer() for x in jax.tree.leaves(new.frozen)] == pointers  # aliased, not copied
+    for a, b in zip(jax.tree.leaves(base_copy), jax.tree.leaves(new.frozen), strict=True):
+        np.testing.assert_array_equal(a, b)
+    new, _, _ = s.programs.train_step(new, jax.device_put(batch, s.programs.batch_shardings))  # lr 0 at update 0
+    moved = [not np.array_equal(a, b) for a, b in zip(jax.tree.leaves(adapters_before), jax.tree.leaves(new.params))]
+    assert any(moved)  # the Bs (A gets a gradient once B is not zero)
+
+
+def test_lora_reference_is_the_base_under_a_cast_base():
+    """With `lora.base_dtype` the base is stored in bfloat16; π_ref (adapters zero) scores exactly as the
+    base model on the cast base does."""
+    s = LoraSetup(lora_config(base_dtype="bfloat16"))
+    s.state = s.ctx.start(s.base)
+    assert {x.dtype for x in jax.tree.leaves(s.state.frozen)} == {jnp.dtype(jnp.bfloat16)}
+    assert {x.dtype for x in jax.tree.leaves(s.state.params)} == {jnp.dtype(jnp.float32)}
+    batch = minibatch(s)
+    base_graphdef = model_lib.abstract_model(
+        dataclasses.replace(s.built.model, lora=lora.LoraConfig(), param_dtype="bfloat16")
+    )[0]
+    score = jax.jit(model_lib.score, static_argnums=(0, 1))
+    t = s.built.plan.scoring_temperature
+    logp_base = score(base_graphdef, t, s.state.frozen, batch.tokens, batch.positions)[0]
+    logp_ref = s.programs.score(s.ctx.reference_policy(s.state), batch.tokens, batch.positions)[0]
+    np.testing.assert_allclose(logp_ref, logp_base, rtol=0, atol=1e-5)
+
+
+@pytest.mark.slow
+def test_lora_runs_with_staleness_r3_and_kl_resumes_bitwise_and_refuses_another_base(tmp_path, monkeypatch):
+    """A LoRA run with bounded staleness k = 1, R3 and a KL term: ratio 1 and KL 0 at the first update,
+    finite metrics, stale drift logged; interrupted and resumed it continues bitwise; resumed on another
+    base (a bfloat16 cast) it is refused in one line; its checkpoint is several times smaller than the
+    full fine-tune's of the same model."""
+    c = lora_config()
+    c.rollout.staleness = 1
+    c.train.update(routing_replay="R3", minibatches=1, num_iterations=3)
+    built = build(c)
+    run_lib.train_and_evaluate(built, tmp_path / "full", progress=False)
+    rows = _metrics(tmp_path / "full")
+    first, third = rows[1], rows[3]  # the first update's learning rate is 0: iteration 2 samples with it
+    for k in ("ratio_min", "ratio_max"):  # π_old is today's policy: the same forward, two programs
+        assert first[k] == pytest.approx(1.0, abs=1e-5), k
+    assert abs(first["kl_ref"]) < 1e-6  # π_θ = π_ref = the base at the start
+    assert third["ratio_min"] < 1.0 < third["ratio_max"] and third["kl_ref"] > 0  # one iteration stale
+    assert third["policy_lag"] == 1.0 and "stale_slot_change_rate" in third
+    for r in rows[1:]:
+        for k in ("loss", "grad_norm", "drift_slot_change_rate", "mismatch_kl_k3", "approx_kl"):
+            assert np.isfinite(r[k]), (k, r[k])
+
+    with monkeypatch.context() as m, pytest.raises(run_lib.StoppedEarly):
+        _sigterm_after(m, 1)
+        run_lib.train_and_evaluate(built, tmp_path / "resumed", progress=False)
+    run_lib.train_and_evaluate(built, tmp_path / "resumed", progress=False)
+    resumed = _metrics(tmp_path / "resumed")
+    times = lambda r: {k: v for k, v in r.items() if "seconds" not in k and k not in ("time", "xla_compiles")}
+    assert times(resumed[-1]) == times(third)  # bitwise, times aside
+
+    c.lora.base_dtype, c.train.num_iterations = "bfloat16", 4
+    with pytest.raises(ConfigError, match="LoRA base differs from this run's: hash"):
+        run_lib.train_and_evaluate(build(c), tmp_path / "resumed", progress=False, allow_config_change=True)
+
+    full = lora_config(rank=0)
+    full.rollout.staleness = 1
+    full.train.update(routing_replay="R3", minibatches=1, num_iterations=2)
+    run_lib.train_and_evaluate(build(full), tmp_path / "fft", progress=False)
+    size = lambda d: sum(f.stat().st_size for f in Path(d).rglob("*") if f.is_file())
+    lora_bytes, full_bytes = size(tmp_path / "full/checkpoints/2"), size(tmp_path / "fft/checkpoints/2")
+    assert full_bytes > 3 * lora_bytes, (full_bytes, lora_bytes)
