@@ -18,9 +18,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from gspo_jax import dispatch as dispatch_paths
 from gspo_jax import expert_parallel, sharding
-from gspo_jax.dispatch import DISPATCHES, experts_fn, resolve_dispatch
+from gspo_jax.dispatch import DISPATCHES, ExpertAdapters, experts_fn, resolve_dispatch
 from gspo_jax.lora import OFF, Adapter, LoraConfig
 from gspo_jax.validation import check, check_choice
 
@@ -143,12 +142,12 @@ class MoE(nnx.Module):
             self.up_proj_lora = Adapter(lora, *D, *F, experts=E, rngs=rngs)
             self.down_proj_lora = Adapter(lora, *F, *D, experts=E, rngs=rngs)
 
-    def expert_adapters(self) -> dispatch_paths.ExpertAdapters | None:
+    def expert_adapters(self) -> ExpertAdapters | None:
         """The experts' adapters as the dispatch paths take them (α/r folded into B); None without."""
         if not hasattr(self, "gate_proj_lora"):
             return None
         g, u, d = self.gate_proj_lora, self.up_proj_lora, self.down_proj_lora
-        return dispatch_paths.ExpertAdapters(g.a[...], g.scaled_b(), u.a[...], u.scaled_b(), d.a[...], d.scaled_b())
+        return ExpertAdapters(g.a[...], g.scaled_b(), u.a[...], u.scaled_b(), d.a[...], d.scaled_b())
 
     def __call__(
         self,
