@@ -156,3 +156,19 @@ def test_lora_runs_with_staleness_r3_and_kl_resumes_bitwise_and_refuses_another_
     size = lambda d: sum(f.stat().st_size for f in Path(d).rglob("*") if f.is_file())
     lora_bytes, full_bytes = size(tmp_path / "full/checkpoints/2"), size(tmp_path / "fft/checkpoints/2")
     assert full_bytes > 3 * lora_bytes, (full_bytes, lora_bytes)
+
+
+@pytest.mark.slow
+def test_lora_runs_with_r3w_rspo_and_the_off_policy_mask(tmp_path):
+    """Weight replay (R3W: the sampler's gates recorded and replayed), RSPO's router-shift weight from
+    π_old's router log-probs (off the on-policy path: two minibatches) and the off-policy mask, under
+    LoRA: finite metrics, and the first minibatch starts at ratio 1 (the base, B = 0)."""
+    c = lora_config()
+    c.train.update(routing_replay="R3W", minibatches=2, num_iterations=2)
+    c.loss.update(router_shift=True, off_policy_mask_delta=0.5)
+    run_lib.train_and_evaluate(build(c), tmp_path, progress=False)
+    rows = _metrics(tmp_path)
+    for r in rows[1:]:
+        for k in ("loss", "grad_norm", "drift_slot_change_rate", "ratio_mean", "kl_ref"):
+            assert np.isfinite(r[k]), (k, r[k])
+    assert rows[1]["ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # lr 0 at update 0: both minibatches at π_old
