@@ -70,9 +70,9 @@ def _spy(monkeypatch, seen: dict):
         seen["current"].append(_leaves(state.params))
         return rl_iteration(ctx, state, it)
 
-    def prepare(ctx, params, batch):
+    def prepare(ctx, params, batch, *reference):
         seen["scored"].append(_leaves(params))
-        return prepare_batch(ctx, params, batch)
+        return prepare_batch(ctx, params, batch, *reference)
 
     def rollout(self, params, *args):
         seen["sampled"].append(_leaves(params))
