@@ -59,6 +59,8 @@ def _base_logp(s: LoraSetup, base, tokens, positions):
 def test_lora_is_off_by_default_and_refused_with_a_critic():
     assert not build(base_config("gspo", "tiny")).plan.lora
     assert build(lora_config()).plan.lora
+    # The warm start trains the base alone: its cache is shared with the same model's runs without LoRA.
+    assert build(lora_config(rank=8)).warm_start_key == build(lora_config(rank=0)).warm_start_key
     c = base_config("ppo", "tiny")
     c.lora.rank = 4
     with pytest.raises(ConfigError, match=r"config\.lora\.rank.*critic"):
