@@ -194,7 +194,8 @@ def train_step(
     micro = jax.tree.map(lambda x: model_lib.split_batch(x, static.microbatches), batch)  # strided: `split_batch`
     # π_θ's routing against π_old's, per token: on-policy they are the same policy, so nothing to split.
     split = static.routing_diagnostics and not static.on_policy and batch.topk.shape[1] > 0
-    loss_fn = functools.partial(_loss, static, denom, split, state.frozen)  # differentiated wrt params only
+    # Differentiated wrt `state.params` only: under LoRA the adapters, on the frozen base.
+    loss_fn = lambda params, mb: _loss(static, denom, split, state.with_adapters(params), mb)
 
     def accumulate(grads, mb):
         (_, (metrics, scored)), g = jax.value_and_grad(loss_fn, has_aux=True)(state.params, mb)
@@ -220,13 +221,11 @@ def train_step(
     return state, metrics_lib.per_update(metrics), scored
 
 
-def _loss(static: StepConfig, denom, split: bool, frozen, params, mb: TrainBatch):
-    """One micro-batch's loss (its share of the minibatch's, over `denom`), its metrics, and what its
-    forward scored at π_old (`Scored`; used on the on-policy path). Under LoRA the forward is the
-    `frozen` base's with the adapters `params`."""
+def _loss(static: StepConfig, denom, split: bool, policy, mb: TrainBatch):
+    """One micro-batch's loss (its share of the minibatch's, over `denom`) under the whole `policy`, its
+    metrics, and what its forward scored at π_old (`Scored`; used on the on-policy path)."""
     cfg, forced = static.loss, static.forced_routing(mb)
     router_logits = (split and forced is not None) or cfg.router_shift
-    policy = params if frozen is None else lora.union(frozen, params)
     logp_BT, aux = model_lib.logprobs(
         static.graphdef, policy, mb.tokens, mb.positions, forced, static.temperature, router_logits
     )

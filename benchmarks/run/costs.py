@@ -62,7 +62,7 @@ def critic_cost(tiny: bool, repeats: int) -> dict:
     rewards = jnp.asarray(np.random.default_rng(0).random(B) < 0.3, jnp.float32)
     out = {}
     out["estimate_seconds"] = best_time(lambda: programs.estimate(state.critic.params, full, rewards), repeats * 4)
-    out["score_seconds"] = best_time(lambda: programs.score(state.params, full.tokens, full.positions), repeats * 4)
+    out["score_seconds"] = best_time(lambda: programs.score(state.policy, full.tokens, full.positions), repeats * 4)
     full, _ = programs.estimate(state.critic.params, full, rewards)
     batch = programs.take(full, np.arange(mb))
     # The run's own step, and the same config's step without the critic (compiled as a run compiles
@@ -85,7 +85,7 @@ def critic_cost(tiny: bool, repeats: int) -> dict:
         out[f"step_{name}_temp_bytes"] = int(getattr(mem, "temp_size_in_bytes", 0)) if mem is not None else 0
     nbytes = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree))
     out.update(
-        policy_param_bytes=nbytes(state.params),
+        policy_param_bytes=nbytes(state.policy),
         policy_opt_bytes=nbytes(state.opt_state),
         critic_param_bytes=nbytes(state.critic.params),
         critic_opt_bytes=nbytes(state.critic.opt_state),

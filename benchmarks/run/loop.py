@@ -171,13 +171,13 @@ def _isolated(loop: Loop, repeats: int) -> dict:
     cfg = sampler.model_cfg
     graphdef = loop.graphdef if not built.rollout.dtype else model_lib.abstract_model(cfg)[0]
     repeats = max(repeats, 3)  # cheap calls: a steadier best
-    out = dict(bare_decode_seconds=accelerator.bare_decode_seconds(graphdef, cfg, loop.state.params, B, P, C, repeats))
+    out = dict(bare_decode_seconds=accelerator.bare_decode_seconds(graphdef, cfg, loop.state.policy, B, P, C, repeats))
     if sampler.threads > 1:  # the same sampler with one host thread: what the run's threads cost or give
         one = dataclasses.replace(built, rollout=dataclasses.replace(built.rollout, sampler_threads=1))
-        one = context.make_rollout(one, loop.graphdef, loop.state.params, loop.mesh).sampler
+        one = context.make_rollout(one, loop.graphdef, loop.state.policy, loop.mesh).sampler
         args, kwargs = loop.sampler.last
         # Two calls after a warm-up: a whole rollout's decode each (seconds at real dims).
-        out["one_thread_sampler_seconds"] = _sampler_seconds_per_step(one, loop.state.params, args, kwargs, 2)
+        out["one_thread_sampler_seconds"] = _sampler_seconds_per_step(one, loop.state.policy, args, kwargs, 2)
         del one
     box, batch = [loop.state], loop.step.batch
 
