@@ -101,6 +101,11 @@ def open_run(workdir: str | os.PathLike) -> Run:
         built = _build_here(config)
     except ConfigError as e:
         raise ConfigError(f"{path} does not describe a run this code can read: {e}") from None
+    if built.plan.lora:  # its checkpoints hold adapters only: reading them needs the base rebuilt
+        raise ConfigError(
+            f"{workdir} is a LoRA run (lora.rank={built.model.lora.rank}): its checkpoints hold the adapters, "
+            "not the base, and reading them as snapshots (drift, export) is not supported yet"
+        )
     graphdef, abstract = model_lib.abstract_model(built.model)
     return Run(workdir, config, built.model, graphdef, abstract)
 

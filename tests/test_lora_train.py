@@ -174,3 +174,17 @@ def test_lora_runs_with_r3w_rspo_and_the_off_policy_mask(tmp_path):
         for k in ("loss", "grad_norm", "drift_slot_change_rate", "ratio_mean", "kl_ref"):
             assert np.isfinite(r[k]), (k, r[k])
     assert rows[1]["ratio_mean"] == pytest.approx(1.0, abs=1e-5)  # lr 0 at update 0: both minibatches at π_old
+
+
+def test_a_lora_runs_checkpoints_are_not_read_as_whole_snapshots(tmp_path):
+    """A LoRA run's checkpoints hold adapters only: the snapshot tools (drift, export) refuse it in one
+    line rather than restoring adapters as if they were the policy."""
+    from gspo_jax import snapshots
+    from gspo_jax.config import as_json
+
+    c = base_config("gspo", "tiny")
+    c.lora.rank = 4
+    (tmp_path / snapshots.CONFIG_FILE).write_text(as_json(c))
+    with pytest.raises(ConfigError, match=r"LoRA run \(lora.rank=4\).*not supported yet") as e:
+        snapshots.open_run(tmp_path)
+    assert "\n" not in str(e.value)
