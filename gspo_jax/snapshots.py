@@ -27,7 +27,7 @@ import orbax.checkpoint as ocp
 from flax import nnx
 
 from gspo_jax import built as built_lib
-from gspo_jax import compiles, routing
+from gspo_jax import compiles, lora, routing
 from gspo_jax import config as config_lib
 from gspo_jax import model as model_lib
 from gspo_jax import sharding as sharding_lib
@@ -88,10 +88,11 @@ def _build_here(config: ml_collections.ConfigDict) -> built_lib.Built:
     return built_lib.build(local, device_count=len(jax.devices()))
 
 
-def open_run(workdir: str | os.PathLike) -> Run:
+def open_run(workdir: str | os.PathLike, adapters: bool = False) -> Run:
     """The run in `workdir` (its `config.json`), or ConfigError naming what is missing. Keys added to
     the config since the run started take their defaults; the recorded mesh is not checked against
-    this machine's devices (snapshots are read onto one device)."""
+    this machine's devices (snapshots are read onto one device). A LoRA run's checkpoints hold its
+    adapters, not the policy: it opens only with `adapters` (its `abstract_params` the adapters')."""
     workdir = Path(workdir)
     path = workdir / CONFIG_FILE
     if not path.exists():
@@ -101,13 +102,16 @@ def open_run(workdir: str | os.PathLike) -> Run:
         built = _build_here(config)
     except ConfigError as e:
         raise ConfigError(f"{path} does not describe a run this code can read: {e}") from None
-    if built.plan.lora:  # its checkpoints hold adapters only: reading them needs the base rebuilt
+    if built.plan.lora and not adapters:  # the policy needs the base rebuilt: not supported yet
         raise ConfigError(
             f"{workdir} is a LoRA run (lora.rank={built.model.lora.rank}): its checkpoints hold the adapters, "
-            "not the base, and reading them as snapshots (drift, export) is not supported yet"
+            "not the base, and reading them as snapshots (drift, export) is not supported yet; "
+            "scripts/convert_hf.py --direction run2peft exports the adapters"
         )
+    if adapters and not built.plan.lora:
+        raise ConfigError(f"{workdir} is not a LoRA run (lora.rank=0): it has no adapters")
     graphdef, abstract = model_lib.abstract_model(built.model)
-    return Run(workdir, config, built.model, graphdef, abstract)
+    return Run(workdir, config, built.model, graphdef, lora.split(abstract)[0] if adapters else abstract)
 
 
 def steps(workdir: str | os.PathLike) -> list[int]:

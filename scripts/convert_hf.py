@@ -7,6 +7,8 @@ Usage:
     python scripts/convert_hf.py --in JAX_DIR --out HF_DIR --direction jax2hf [--max-shard-bytes N]
     # a run's checkpoint (default: its newest finished one) -> HF directory, tokenizer included
     python scripts/convert_hf.py --in WORKDIR --out HF_DIR --direction run2hf [--step N] [--model-type mixtral]
+    # a LoRA run's adapters -> PEFT directory (`peft.PeftModel.from_pretrained(base, PEFT_DIR)`)
+    python scripts/convert_hf.py --in WORKDIR --out PEFT_DIR --direction run2peft [--step N]
 
 run2hf reads the run's workdir only (it may still be training) and writes the policy parameters of the
 step, bitwise, with config.json (the run's model; the tokenizer's bos/eos/pad ids) and the run's
@@ -14,6 +16,9 @@ tokenizer files (config.tokenizer_path, or the built-in tokenizer). The model ty
 the run's config.hf_checkpoint, else qwen3_moe (mixtral for a model without q/k norm); a model the type
 cannot express, a missing step or a non-empty --out (without --overwrite) is refused before anything
 is written.
+
+run2peft writes the adapters of a LoRA run's step in PEFT's format (`gspo_jax/hf_lora.py`), with the
+run's config.hf_checkpoint as `base_model_name_or_path`: the base itself is not written.
 
 JAX_DIR holds `state/` (an `orbax.checkpoint.StandardCheckpointer` save of the model's
 `nnx.State`, restorable against `gspo_jax.model.abstract_model(cfg)[1]`), `model_config.json`
@@ -36,7 +41,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 import jax  # noqa: E402
 import orbax.checkpoint as ocp  # noqa: E402
 
-from gspo_jax import hf, hf_config, snapshots  # noqa: E402
+from gspo_jax import hf, hf_config, hf_lora, snapshots  # noqa: E402
 from gspo_jax import model as model_lib  # noqa: E402
 from gspo_jax.model_config import DTYPES, ModelConfig  # noqa: E402
 from gspo_jax.tasks.tokenizer import TOKENIZER_DIR, load_tokenizer  # noqa: E402
@@ -126,13 +131,7 @@ def run_to_hf(
     workdir is only read. Raises ConfigError for what cannot be exported."""
     workdir, dst = Path(workdir), Path(dst)
     run = snapshots.open_run(workdir)
-    available = snapshots.steps(workdir)
-    if not available:
-        raise ConfigError(f"{workdir} has no finished checkpoint yet")
-    if step is None:
-        step = available[-1]
-    elif step not in available:
-        raise ConfigError(f"--step {step} is not a finished checkpoint of {workdir}; steps: {available}")
+    step = _finished_step(workdir, step)
     model_type = model_type or _default_model_type(run)
     tokenizer_path = run.config.get("tokenizer_path") or ""
     tokenizer = load_tokenizer(tokenizer_path or None)
@@ -170,44 +169,86 @@ def run_to_hf(
     return run.model, step
 
 
+def run_to_peft(
+    workdir: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    step: int | None = None,
+    model_type: str | None = None,
+    overwrite: bool = False,
+) -> tuple[ModelConfig, int]:
+    """A LoRA run's adapters at `step` (default: the newest finished one) -> PEFT directory; returns (the
+    run's model config, step). Checked before the first write; the workdir is only read."""
+    workdir, dst = Path(workdir), Path(dst)
+    run = snapshots.open_run(workdir, adapters=True)
+    step = _finished_step(workdir, step)
+    model_type = model_type or _default_model_type(run)
+    try:
+        hf_config.exportable_config(run.model, model_type)
+    except ValueError as e:
+        raise ConfigError(f"{workdir} cannot be exported as {model_type}: {e}") from None
+    _check_out(dst, workdir, overwrite)
+    adapters = snapshots.load_params(run, step, _host_sharding())
+    hf_lora.save_peft_adapter(dst, run.model, adapters, model_type, base_model_name_or_path=run.config.hf_checkpoint)
+    return run.model, step
+
+
+def _finished_step(workdir: Path, step: int | None) -> int:
+    """`step`, or the newest finished checkpoint when None; ConfigError if it is not a finished one."""
+    available = snapshots.steps(workdir)
+    if not available:
+        raise ConfigError(f"{workdir} has no finished checkpoint yet")
+    if step is not None and step not in available:
+        raise ConfigError(f"--step {step} is not a finished checkpoint of {workdir}; steps: {available}")
+    return available[-1] if step is None else step
+
+
 def main(argv=None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--in", dest="src", required=True, help="source directory (run2hf: the run's workdir)")
+    parser.add_argument(
+        "--in", dest="src", required=True, help="source directory (run2hf, run2peft: the run's workdir)"
+    )
     parser.add_argument("--out", dest="dst", required=True, help="destination directory")
-    parser.add_argument("--direction", required=True, choices=("hf2jax", "jax2hf", "run2hf"))
+    parser.add_argument("--direction", required=True, choices=("hf2jax", "jax2hf", "run2hf", "run2peft"))
     parser.add_argument("--dtype", choices=tuple(DTYPES), help="hf2jax: cast parameters (default: keep)")
     parser.add_argument(
         "--model-type",
         choices=hf_config.MODEL_TYPES,
         help="jax2hf: default: the source's; "
-        "run2hf: default: the run's config.hf_checkpoint's, else qwen3_moe (mixtral if no q/k norm)",
+        "run2hf, run2peft: default: the run's config.hf_checkpoint's, else qwen3_moe (mixtral if no q/k norm)",
     )
     parser.add_argument("--max-shard-bytes", type=int, default=hf.DEFAULT_MAX_SHARD_BYTES, help="jax2hf, run2hf")
-    parser.add_argument("--step", type=int, help="run2hf: the checkpoint step (default: the newest finished one)")
     parser.add_argument(
-        "--overwrite", action="store_true", help="hf2jax: replace an existing state/; run2hf: write into a full --out"
+        "--step", type=int, help="run2hf, run2peft: the checkpoint step (default: the newest finished one)"
+    )
+    parser.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="hf2jax: replace an existing state/; run2hf, run2peft: write into a full --out",
     )
     args = parser.parse_args(argv)
-    if args.step is not None and args.direction != "run2hf":
-        parser.error("--step is for --direction run2hf")
+    if args.step is not None and args.direction not in ("run2hf", "run2peft"):
+        parser.error("--step is for --direction run2hf or run2peft")
     where = ""
     if args.direction == "hf2jax":
         cfg = hf_to_jax(args.src, args.dst, dtype=args.dtype, overwrite=args.overwrite)
     elif args.direction == "jax2hf":
         cfg = jax_to_hf(args.src, args.dst, model_type=args.model_type, max_shard_bytes=args.max_shard_bytes)
     else:
+        export, kwargs = (
+            (run_to_hf, dict(max_shard_bytes=args.max_shard_bytes)) if args.direction == "run2hf" else (run_to_peft, {})
+        )
         try:
-            cfg, step = run_to_hf(
-                args.src,
-                args.dst,
-                step=args.step,
-                model_type=args.model_type,
-                max_shard_bytes=args.max_shard_bytes,
-                overwrite=args.overwrite,
+            cfg, step = export(
+                args.src, args.dst, step=args.step, model_type=args.model_type, overwrite=args.overwrite, **kwargs
             )
         except ConfigError as e:
             parser.exit(2, f"{parser.prog}: error: {e}\n")
         where = f" step {step}"
+        if args.direction == "run2peft":
+            adapters = sum(x.size for x in jax.tree.leaves(snapshots.open_run(args.src, adapters=True).abstract_params))
+            print(f"run2peft: {args.src}{where} -> {args.dst} ({adapters:,} adapter parameters, rank {cfg.lora.rank})")
+            return
     total, active = model_lib.count_params(cfg)
     print(f"{args.direction}: {args.src}{where} -> {args.dst} ({total:,} parameters, {active:,} active per token)")
 
