@@ -40,8 +40,10 @@ class LoraConfig:
     base_dtype: str = ""
 
     def __post_init__(self):
-        targets = self.targets.split(",") if isinstance(self.targets, str) else self.targets  # "attention,mlp"
-        object.__setattr__(self, "targets", tuple(t.strip() if isinstance(t, str) else t for t in targets))
+        # "attention,mlp" from the command line arrives as the string or as a tuple holding it
+        targets = (self.targets,) if isinstance(self.targets, str) else self.targets
+        split = [t.split(",") if isinstance(t, str) else [t] for t in targets]
+        object.__setattr__(self, "targets", tuple(t.strip() if isinstance(t, str) else t for ts in split for t in ts))
         own = "config"
         check_int(own, "lora.rank", self.rank, low=0)
         check_number(own, "lora.alpha", self.alpha, low=0.0, strict=True)

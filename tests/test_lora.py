@@ -278,3 +278,11 @@ def test_prefill_then_decode_with_adapters_matches_the_full_forward():
     for t in range(P, T):
         logits, aux = apply(state, tokens_BT[:, t : t + 1], positions_BT[:, t : t + 1], aux.cache)
         np.testing.assert_allclose(logits[:, 0], full_BTV[:, t], atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("given", [("attention,experts",), ("attention", " experts")])
+def test_targets_as_the_command_line_gives_them(given):
+    """`--config.lora.targets=attention,experts` reaches the config as a tuple holding the string."""
+    cfg = config.base_config("grpo", "tiny")
+    cfg.lora.update(rank=4, targets=given)
+    assert built.build(cfg).model.lora.targets == ("attention", "experts")
