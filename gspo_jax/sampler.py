@@ -103,6 +103,10 @@ class DecodeSettings:
     max_top_k: int  # Z
     chunk: int  # decode steps per while-loop iteration; divides C
     record_gates: bool
+    # The weights are split over an FSDP axis: each decode step gathers every layer's again, as training
+    # does, rather than XLA gathering every layer once before the loop and holding them all (it hoists the
+    # gathers of loop-invariant weights: one host's HBM cannot hold a 30B model's gathered layers).
+    gather_per_step: bool = False
 
 
 class SamplingArgs(NamedTuple):
@@ -194,6 +198,8 @@ def _generate(
 
     def body(d: DecodeState) -> DecodeState:
         i = d.step
+        # Behind a barrier with the step, the layers are the loop's own: their all-gathers stay in it.
+        layers_i = jax.lax.optimization_barrier((layers, i))[0] if settings.gather_per_step else layers
         key, sub = jax.random.split(d.key)
         tok_B, logp_B = sample_logits(
             d.logits, sub, sampling.temperature, sampling.top_k, sampling.top_p, settings.max_top_k
@@ -201,7 +207,7 @@ def _generate(
         live_B = ~d.done
         tok_B = jnp.where(live_B, tok_B, pad_id)
         is_eos_B = jnp.any(tok_B[:, None] == sampling.eos_ids[None, :], axis=-1) & live_B
-        logits_B1V, step_aux = model(tok_B[:, None], (n_prompt_B + i)[:, None], cache=d.cache, layers=layers)
+        logits_B1V, step_aux = model(tok_B[:, None], (n_prompt_B + i)[:, None], cache=d.cache, layers=layers_i)
         col = lambda buf_BC, x_B: jax.lax.dynamic_update_slice_in_dim(buf_BC, x_B[:, None], i, axis=1)
         # Zeros (an untouched column) for the steps a chunk runs after every row has stopped.
         put = lambda buf_BLCK, x_BL1K: jax.lax.dynamic_update_slice_in_dim(
@@ -385,7 +391,9 @@ class Sampler:
         self.fields = SAMPLE_FIELDS if self.record_gates else tuple(f for f in SAMPLE_FIELDS if f != "gates")
         # graphdef and the decode loop's settings are the static arguments of one module-level function,
         # so equal samplers share their compilation.
-        self._static = (graphdef, DecodeSettings(max_new_tokens, self.max_top_k, chunk, self.record_gates))
+        fsdp = mesh is not None and mesh.shape.get("fsdp", 1) > 1
+        settings = DecodeSettings(max_new_tokens, self.max_top_k, chunk, self.record_gates, gather_per_step=fsdp)
+        self._static = (graphdef, settings)
         self._compile(state, options.compiler_options)
         self._caches = [None] * threads  # allocated on first use, then donated and handed back by every call
 

@@ -136,11 +136,16 @@ def test_bad_arguments_raise_early(setup):
         left_pad([[1, 2, 3]], 2)
 
 
-def test_sharded_sampler_equals_unsharded(setup):
+@pytest.mark.parametrize(
+    "axes", [dict(data=2, expert=2, tensor=2), dict(fsdp=2, expert=2, tensor=2)], ids=["dp_ep_tp", "fsdp_ep_tp"]
+)
+def test_sharded_sampler_equals_unsharded(setup, axes):
+    """On a mesh with an FSDP axis every decode step gathers the layers again (`gather_per_step`)."""
     cfg, graphdef, state, tokens, mask, sampler, _ = setup
-    mesh = sharding.make_mesh(data=2, expert=2, tensor=2)
+    mesh = sharding.make_mesh(**axes)
     sharded_state = jax.device_put(state, sharding.param_shardings(mesh, state))
     s2 = Sampler(graphdef, cfg, B, P, N, mesh=mesh, state=state, options=Z16)
+    assert s2._static[1].gather_per_step == ("fsdp" in axes)
     for t in (0.0, 1.0):
         a = sampler(state, tokens, mask, jax.random.key(3), temperature=t)
         b = s2(sharded_state, tokens, mask, jax.random.key(3), temperature=t)
@@ -244,3 +249,30 @@ def test_output_does_not_depend_on_the_previous_call(setup):
     sampler(state, other, np.ones_like(mask), jax.random.key(8), temperature=1.0)
     b = sampler(state, tokens, mask, jax.random.key(4), temperature=1.0)
     chex.assert_trees_all_equal(a, b)
+
+
+def test_on_an_fsdp_tpu_mesh_the_decode_loop_holds_one_layers_gathered_weights_not_every_layers():
+    """Compiled for a v5p:2x2x1 slice (no TPU attached) with the weights split over fsdp=4: two more
+    layers add their KV caches and their slices of the shards to the sampler's temporaries, less than
+    one layer's gathered experts; XLA would gather every layer once before the loop and keep them all
+    (`DecodeSettings.gather_per_step`)."""
+    from gspo_jax import aot
+
+    devices = aot.topology_devices("v5p:2x2x1")
+    mesh = sharding.make_mesh(fsdp=4, devices=devices)
+
+    def temp_bytes(layers: int) -> tuple[int, int]:
+        cfg = dataclasses.replace(
+            model_config.get("tiny"), num_layers=layers, dense_layers=(), embed_dim=256, num_experts=16
+        )
+        cfg = dataclasses.replace(cfg, moe_mlp_dim=512, param_dtype="bfloat16", dtype="bfloat16")
+        graphdef, abstract = model_lib.abstract_model(cfg)
+        params = sharding.abstract(abstract, sharding.param_shardings(mesh, abstract))
+        sampler = Sampler(graphdef, cfg, 8, 8, 8, mesh=mesh, state=params)
+        experts = 3 * cfg.num_experts * cfg.embed_dim * cfg.moe_mlp_dim * 2  # one layer's, gathered, bf16
+        with jax.default_matmul_precision("default"):  # as scripts/aot_compile.py compiles (conftest: highest)
+            return sampler.lower(params).compile().memory_analysis().temp_size_in_bytes, experts
+
+    (two, layer), (four, _) = temp_bytes(2), temp_bytes(4)
+    # Measured: 7.9 MB (the layers' slices of their shards, their caches), hoisted 24 MB (and more).
+    assert four - two < layer, (four - two, layer)
