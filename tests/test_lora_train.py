@@ -4,6 +4,7 @@ staleness, R3 and the KL path run under LoRA; checkpoints hold the adapters, res
 another base and are several times smaller than a full fine-tune's."""
 
 import dataclasses
+import json
 from pathlib import Path
 
 import jax
@@ -188,3 +189,41 @@ def test_a_lora_runs_checkpoints_are_not_read_as_whole_snapshots(tmp_path):
     with pytest.raises(ConfigError, match=r"LoRA run \(lora.rank=4\).*not supported yet") as e:
         snapshots.open_run(tmp_path)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.slow
+def test_the_lora_benchmark_reports_both_ratios(tmp_path):
+    """`python -m benchmarks.lora` at the tiny size: both programs timed for both policies, their ratios
+    finite, the adapters the only trained parameters (nothing here is judged by speed)."""
+    from benchmarks import lora as bench
+
+    out = bench.main(["--size", "tiny", "--rank", "4", "--repeats", "1", "--out", str(tmp_path / "lora.json")])
+    assert json.loads((tmp_path / "lora.json").read_text())["rank"] == 4
+    for name in ("train_step", "sample"):
+        assert all(t > 0 for t in out[name]["best"].values()) and np.isfinite(out[name]["ratio"]), out[name]
+    assert (
+        out["full"]["trained_params"]
+        == out["full"]["policy_params"]
+        == out["lora"]["policy_params"] - (out["lora"]["trained_params"])
+    )
+
+
+@pytest.mark.slow
+def test_a_lora_plan_compiles_for_a_one_host_slice():
+    """The one-host recipe's plan (docs/TPU.md) at a size CI compiles in seconds: the flagship's structure
+    (scanned, rematerialised, bf16, grouped expert kernels) with LoRA rank 4 on attention + experts and a
+    bfloat16 base, for a v5p:2x2x1 slice on an FSDP-only mesh: train step, scoring and sampler fit."""
+    from test_aot import FLAGSHIP_DIMS, FLAGSHIP_SHAPE
+
+    from gspo_jax import aot
+
+    c = base_config("gspo", "qwen3_30b_a3b")
+    c.model.update(**FLAGSHIP_DIMS)
+    c.prompt_len, c.max_new_tokens = FLAGSHIP_SHAPE["prompt_len"], FLAGSHIP_SHAPE["max_new_tokens"]
+    c.rollout.update(num_groups=FLAGSHIP_SHAPE["rollout.num_groups"], group_size=FLAGSHIP_SHAPE["rollout.group_size"])
+    c.mesh.update(fsdp=-1, expert=1)
+    c.lora.update(rank=4, targets=("attention", "experts"), base_dtype="bfloat16")
+    with jax.default_matmul_precision("default"):  # as scripts/aot_compile.py compiles (conftest: highest)
+        rows = aot.compile_report(c, "v5p:2x2x1")
+    assert [(r.program, r.mesh) for r in rows] == [(p, "fsdp=4") for p in aot.PROGRAMS]
+    assert all(r.fits and r.argument_bytes > 0 for r in rows), rows
