@@ -3,12 +3,14 @@ against, never XLA's `cost_analysis` (it counts a loop body once).
 
 A matmul of [m, k] × [k, n] is 2·m·k·n. A forward over B sequences of T tokens is 2 × (active matmul
 parameters) × B·T plus attention, 4 × layers × B × T² × H × W (QKᵀ and PV); a backward is twice a
-forward, so a train step is 6 × parameters × tokens plus 12 × layers × B × T² × H × W.
+forward, so a train step is 6 × parameters × tokens plus 12 × layers × B × T² × H × W (under LoRA 4 × the
+frozen base's and 6 × the adapters').
 """
 
 import dataclasses
 
 from gspo_jax import model as model_lib
+from gspo_jax.lora import LoraConfig
 from gspo_jax.model_config import ModelConfig
 
 
@@ -25,8 +27,13 @@ def forward_flops(cfg: ModelConfig, B: int, T: int) -> float:
 
 
 def train_flops(cfg: ModelConfig, B: int, T: int) -> float:
-    """Forward and backward over B × T tokens: three forwards."""
-    return 3 * forward_flops(cfg, B, T)
+    """Forward and backward over B × T tokens: three forwards. Under LoRA the frozen base's weight
+    gradients are never computed: its matmuls count twice a forward's (forward, input gradients), the
+    adapters' three times."""
+    if not cfg.lora.on:
+        return 3 * forward_flops(cfg, B, T)
+    base = matmul_params(dataclasses.replace(cfg, lora=LoraConfig()))
+    return 3 * forward_flops(cfg, B, T) - 2 * base * B * T
 
 
 def critic_train_flops(cfg: ModelConfig, B: int, T: int) -> float:

@@ -286,3 +286,18 @@ def test_targets_as_the_command_line_gives_them(given):
     cfg = config.base_config("grpo", "tiny")
     cfg.lora.update(rank=4, targets=given)
     assert built.build(cfg).model.lora.targets == ("attention", "experts")
+
+
+def test_train_flops_leave_out_the_frozen_bases_weight_gradients():
+    """By hand: a LoRA step is 6 × adapter + 4 × base matmul parameters per token, plus three forwards'
+    attention; the forward counts the adapters' matmuls too (x·A, then ·B, routed tokens only)."""
+    from gspo_jax import flops
+
+    off, on = tiny(), tiny(rank=4, targets=ALL)
+    B, T = 2, 16
+    base, adapters = flops.matmul_params(off), flops.matmul_params(on) - flops.matmul_params(off)
+    attention = 4 * on.num_layers * B * T * T * on.num_heads * on.head_dim
+    assert adapters > 0
+    assert flops.forward_flops(on, B, T) == 2 * (base + adapters) * B * T + attention
+    assert flops.train_flops(on, B, T) == (4 * base + 6 * adapters) * B * T + 3 * attention
+    assert flops.train_flops(off, B, T) == 6 * base * B * T + 3 * attention
