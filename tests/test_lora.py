@@ -253,9 +253,10 @@ def test_sharded_adapted_forward_equals_unsharded():
     mesh = sharding.make_mesh(data=2, fsdp=2, tensor=2)
     shardings = sharding.param_shardings(mesh, state)
     b = lora.split(shardings)[0]["stacks"][1]["layer"]["mlp"]["gate_proj_lora"]["b"]
-    assert b.get_value().spec == jax.sharding.PartitionSpec(None, "expert", None, "tensor")  # [layers, E, R, F]
+    # [layers, E, R, F]: the rank split over fsdp, as the weight's D is (else B sits whole on every chip)
+    assert b.get_value().spec == jax.sharding.PartitionSpec(None, "expert", "fsdp", "tensor")
     a = lora.split(shardings)[0]["stacks"][0]["layer"]["self_attn"]["q_proj_lora"]["a"]
-    assert a.get_value().spec == jax.sharding.PartitionSpec(None, "fsdp", None)  # [layers, D, R]
+    assert a.get_value().spec == jax.sharding.PartitionSpec(None, "fsdp", None)  # [layers, D, R]: fsdp taken by D
     batch = sharding.batch_sharding(mesh, 2)
     tokens_BT, positions_BT = (jax.device_put(x, batch) for x in inputs())
     fn = jax.jit(sharding.under_mesh(functools.partial(model.logprobs, graphdef), mesh))
