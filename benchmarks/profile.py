@@ -26,28 +26,32 @@ runs made back to back, as everywhere in `benchmarks/`.
 
 from __future__ import annotations
 
-import argparse
-import collections
-import json
-import re
-import sys
-import tempfile
-import time
-from pathlib import Path
+if __name__ == "__main__":  # before JAX is imported: glibc reads its tunables only when a process starts
+    from gspo_jax.host_memory import reexec_with_huge_pages
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+    reexec_with_huge_pages()  # as scripts/train.py runs: XLA's big per-call buffers on huge pages
 
-from benchmarks.run import accelerator
-from benchmarks.run.machine import refuse_unoptimised
-from benchmarks.run.shapes import SHAPES, iteration_config, pieces, random_batch, shape_config
-from gspo_jax import compiles
-from gspo_jax import programs as programs_lib
-from gspo_jax import sharding as sharding_lib
-from gspo_jax.host_memory import reexec_with_huge_pages
-from gspo_jax.sampler import Sampler, SamplerOptions, left_pad
-from gspo_jax.sharding import mesh_from_config
+import argparse  # noqa: E402
+import collections  # noqa: E402
+import json  # noqa: E402
+import re  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.run import accelerator  # noqa: E402
+from benchmarks.run.machine import refuse_unoptimised  # noqa: E402
+from benchmarks.run.shapes import SHAPES, iteration_config, pieces, random_batch, shape_config  # noqa: E402
+from gspo_jax import compiles  # noqa: E402
+from gspo_jax import programs as programs_lib  # noqa: E402
+from gspo_jax import sharding as sharding_lib  # noqa: E402
+from gspo_jax.sampler import Sampler, SamplerOptions, left_pad  # noqa: E402
+from gspo_jax.sharding import mesh_from_config  # noqa: E402
 
 PROGRAMS = ("train_step", "sampler")
 BOOKKEEPING = ("ThunkExecutor::", "SlinkyThreadPool::", "end: ")  # executor waits, not ops
@@ -324,5 +328,4 @@ def main():
 
 
 if __name__ == "__main__":
-    reexec_with_huge_pages()  # as scripts/train.py runs: XLA's big per-call buffers on huge pages
     sys.exit(main())

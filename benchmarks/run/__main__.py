@@ -3,34 +3,38 @@
 
 from __future__ import annotations
 
-import argparse
-import atexit
-import json
-import os
-import shlex
-import shutil
-import subprocess
-import sys
-import tempfile
-import time
-from collections.abc import Callable
-from pathlib import Path
+if __name__ == "__main__":  # before JAX is imported: glibc reads its tunables only when a process starts
+    from gspo_jax.host_memory import reexec_with_huge_pages
 
-import jax
+    reexec_with_huge_pages()  # as scripts/train.py runs: XLA's big per-call buffers on huge pages
 
-from benchmarks.moe_kernels import copy_bandwidth, peak_bf16  # the same peak and bandwidth as moe_kernels'
-from benchmarks.run import accelerator
-from benchmarks.run.costs import critic_cost, diagnostics_cost
-from benchmarks.run.dispatch import moe_dispatch, moe_expert_parallel
-from benchmarks.run.iterations import iteration, iteration_scaling, race_iteration
-from benchmarks.run.loop import loop_figures, print_loop
-from benchmarks.run.machine import machine, peak, refuse_unoptimised
-from benchmarks.run.sampler import sampler_throughput
-from benchmarks.run.shapes import iteration_config
-from benchmarks.run.step import loss_share, train_mfu
-from benchmarks.run.targets import print_targets
-from gspo_jax import compiles
-from gspo_jax.host_memory import reexec_with_huge_pages
+import argparse  # noqa: E402
+import atexit  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import shlex  # noqa: E402
+import shutil  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import jax  # noqa: E402
+
+from benchmarks.moe_kernels import copy_bandwidth, peak_bf16  # the same peak and bandwidth as moe_kernels'  # noqa: E402
+from benchmarks.run import accelerator  # noqa: E402
+from benchmarks.run.costs import critic_cost, diagnostics_cost  # noqa: E402
+from benchmarks.run.dispatch import moe_dispatch, moe_expert_parallel  # noqa: E402
+from benchmarks.run.iterations import iteration, iteration_scaling, race_iteration  # noqa: E402
+from benchmarks.run.loop import loop_figures, print_loop  # noqa: E402
+from benchmarks.run.machine import machine, peak, refuse_unoptimised  # noqa: E402
+from benchmarks.run.sampler import sampler_throughput  # noqa: E402
+from benchmarks.run.shapes import iteration_config  # noqa: E402
+from benchmarks.run.step import loss_share, train_mfu  # noqa: E402
+from benchmarks.run.targets import print_targets  # noqa: E402
+from gspo_jax import compiles  # noqa: E402
 
 RESULTS = Path(__file__).parents[1] / "results.json"
 
@@ -334,5 +338,4 @@ def main():
 
 
 if __name__ == "__main__":
-    reexec_with_huge_pages()  # as scripts/train.py runs: XLA's big per-call buffers on huge pages
     main()
