@@ -387,6 +387,8 @@ def test_every_shipped_sweep_loads_and_each_arm_builds(name):
             for part in parents:
                 node = node[part]
             assert last in node, f"{name}: {run.name}: no such config key {key}"
+            if isinstance(node[last], tuple) and isinstance(value, str):
+                value = (value,)  # as the command line gives it: --config.lora.targets=a,b is ("a,b",)
             node[last] = value
         built_lib.build(c, device_count=1)
 
