@@ -189,3 +189,64 @@ def test_a_claims_file_gives_its_claims_in_order_and_one_without_them_is_refused
     (tmp_path / "none.py").write_text("CLAIMS = ()\n")
     with pytest.raises(ValueError, match="must define CLAIMS"):
         claims.load(tmp_path / "none.py")
+
+
+# ------------------------------------------------------------------ the LoRA rows (configs/sweeps/lora.py)
+
+LORA_SWEEP = ROOT / "configs" / "sweeps" / "lora.py"
+
+
+class LoraGrid(claims.Results):
+    """The LoRA sweep's runs, each arm's final sampled accuracy `acc(arm, seed)` from a shared start of 0.5
+    and its drift `drift(arm, seed)`, for the seeds in `seeds`."""
+
+    def __init__(self, acc, drift, seeds=range(5)):
+        super().__init__(ROOT)
+        self.acc, self.drift, self.seeds = acc, drift, seeds
+
+    def arms(self, name):
+        assert name == study.LORA
+        out = {}
+        for r in sweeps.load_sweep(LORA_SWEEP, ROOT).runs:
+            seed = r.overrides[sweeps.SEED]
+            if seed in self.seeds:
+                a, d = self.acc(r.arm, seed), self.drift(r.arm, seed)
+                records = [{"step": 0, ACCURACY: 0.5, SAMPLED: 0.5}]
+                records += [{"step": s, ACCURACY: a, SAMPLED: a, "drift_slot_change_rate": d} for s in (10, 20, 30)]
+                out.setdefault(r.arm, []).append(RunResult(r, "done", records))
+        return out
+
+
+def test_the_lora_rows_name_the_sweeps_arms():
+    assert {r.arm for r in sweeps.load_sweep(LORA_SWEEP, ROOT).runs} == {"gspo", *study.LORA_ARMS}
+
+
+def test_the_lora_rows_wait_for_five_seeds_then_apply_the_margin_and_the_drift_rule():
+    shift = {"gspo": 0.0, **dict(zip(study.LORA_ARMS, (0.01, -0.2, 0.03, -0.1), strict=True))}
+    spread = {"gspo": 0.0, **dict(zip(study.LORA_ARMS, (0.004, 0.01, 0.3, 0.004), strict=True))}
+    acc = lambda arm, seed: 0.8 + shift[arm] + spread[arm] * (seed - 2)  # noqa: E731
+    drift = lambda arm, seed: (0.02 if arm == "gspo" else 0.03) + 0.001 * ((seed * 3) % 5)  # noqa: E731
+
+    here, verdict, limits = study._lora_matches(LoraGrid(acc, drift, seeds=range(4)))
+    assert verdict == "Pending: the LoRA sweep has 4 of 5 seeds" and limits.startswith("4 seeds, which resolve")
+    want = analysis.interval(
+        [shift["gspo-rank=1-targets=attention,experts-learning_rate=0.003"] + 0.004 * (s - 2) for s in range(4)]
+    )
+    assert f"rank 1 {want.text()} (" in here
+
+    _, verdict, _ = study._lora_matches(LoraGrid(acc, drift))
+    # rank 1 +1 ± small: within ±5; rank 8 -20: below 0; rank 32 +3 with a wide spread: not settled;
+    # attention-only -10: below 0.
+    assert verdict.split("; ") == [
+        "rank 1 matches (within ±5)",
+        "rank 8 falls short (below 0)",
+        verdict.split("; ")[2],
+        "rank 32 attention-only falls short (below 0)",
+    ]
+    assert verdict.split("; ")[2].startswith("rank 32 not settled (±")
+
+    here, verdict, _ = study._lora_drift(LoraGrid(acc, drift))
+    assert verdict == "rank 1 higher; rank 8 higher; rank 32 higher; rank 32 attention-only higher"
+    assert "full fine-tuning 2.0–2.4%" in here and "paired +1.00 ± 0.00 (+1.00 to +1.00) points" in here
+    _, verdict, _ = study._lora_drift(LoraGrid(acc, lambda arm, seed: 0.02 + 0.001 * ((seed * 3) % 5)))
+    assert verdict.count("not resolved") == 4  # no difference: an interval on 0

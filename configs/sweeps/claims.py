@@ -22,6 +22,7 @@ from gspo_jax.study.claims import (
     pct,
     plain,
     run_means,
+    seed_of,
     shared_seeds,
     sign,
     span,
@@ -401,6 +402,71 @@ def _mechanism(res: Results) -> tuple[str, str, str]:
     return here, verdict, limits
 
 
+LORA = "lora"  # configs/sweeps/lora.py: GSPO full fine-tuning against LoRA, the main job's regime
+LORA_SEEDS = 5  # pre-registered
+LORA_MARGIN = 0.05  # the equivalence margin stated in its ANALYSIS: +-5 points of sampled gain
+LORA_ARMS = {  # arm -> what it is (the sweep file's ARMS, as the sweep names its runs)
+    "gspo-rank=1-targets=attention,experts-learning_rate=0.003": "rank 1",
+    "gspo-rank=8-targets=attention,experts-learning_rate=0.003": "rank 8",
+    "gspo-rank=32-targets=attention,experts-learning_rate=0.003": "rank 32",
+    "gspo-rank=32-targets=attention-learning_rate=0.003": "rank 32 attention-only",
+}
+
+
+def _lora_equivalence(d: Interval) -> str:
+    """The sweep's rule: within the margin, wholly below 0, or neither (with the interval's half-width)."""
+    if d.lo >= -LORA_MARGIN and d.hi <= LORA_MARGIN:
+        return "matches (within ±5)"
+    if d.hi < 0:
+        return "falls short (below 0)"
+    return f"not settled (±{100 * (d.hi - d.lo) / 2:.1f})"
+
+
+def _lora(res: Results) -> tuple[int, dict[str, list[RunResult]], str]:
+    """(k, arm -> runs, the verdict until every pre-registered seed is in): over the seeds all arms share."""
+    k, h = shared_seeds(res.arms(LORA), ["gspo", *LORA_ARMS])
+    return k, h, f"Pending: the LoRA sweep has {k} of {LORA_SEEDS} seeds"
+
+
+def _lora_matches(res: Results) -> tuple[str, str, str]:
+    k, h, verdict = _lora(res)
+    if not k:
+        return "", verdict, ""
+    d = {a: paired(gain(h[a]), gain(h["gspo"])) for a in LORA_ARMS}
+    dg = {a: paired(gain(h[a], ACCURACY), gain(h["gspo"], ACCURACY)) for a in LORA_ARMS}
+    here = (
+        f"Full fine-tuning's sampled gain {iv(gain(h['gspo'])).text()}. LoRA − full, sampled gain (greedy): "
+        + "; ".join(f"{LORA_ARMS[a]} {d[a].text()} ({dg[a].text()}, {collapses(h[a])} collapsed)" for a in LORA_ARMS)
+    )
+    if k >= LORA_SEEDS:
+        verdict = "; ".join(f"{LORA_ARMS[a]} {_lora_equivalence(d[a])}" for a in LORA_ARMS)
+    limits = (
+        f"{k} seeds, which resolve paired sampled differences beyond ±{widths(list(d.values()))} points (the "
+        "margin is ±5); GSPO, 3 MoE layers × 8 experts (top-2), ~8-token completions, 200 iterations; the "
+        "learning rate 10× full fine-tuning's at every rank, not tuned per rank; the router frozen"
+    )
+    return here, verdict, limits
+
+
+def _lora_drift(res: Results) -> tuple[str, str, str]:
+    k, h, verdict = _lora(res)
+    if not k:
+        return "", verdict, ""
+    drift = lambda rs: {seed_of(r): r.mean("drift_slot_change_rate") for r in rs}  # noqa: E731
+    d = {a: paired(drift(h[a]), drift(h["gspo"])) for a in LORA_ARMS}
+    here = "Expert slots moved per iteration: full fine-tuning " + span(list(drift(h["gspo"]).values()))
+    for a in LORA_ARMS:
+        here += f"; {LORA_ARMS[a]} {span(list(drift(h[a]).values()))}, paired {d[a].text(digits=2)} points"
+    if k >= LORA_SEEDS:
+        words = {"above 0": "higher", "below 0": "lower", "includes 0": "not resolved"}
+        verdict = "; ".join(f"{LORA_ARMS[a]} {words[sign(d[a])]}" for a in LORA_ARMS)
+    limits = (
+        f"{k} seeds; per iteration (2 updates), at 10× full fine-tuning's learning rate: a LoRA step is not a full "
+        "step's size, so rank and step size are confounded; 3 MoE layers × 8 experts"
+    )
+    return here, verdict, limits
+
+
 CLAIMS = (
     Claim(
         "One update changes ~10% of the experts a token is routed to",
@@ -446,4 +512,16 @@ CLAIMS = (
         ("mechanism_search",),
     ),
     Claim("Each DAPO ingredient adds to the last (30 → 36 → 38 → 42 → 50)", "DAPO", _dapo, (DAPO, "dapo_ladder")),
+    Claim(
+        "LoRA RL at rank 1 matches full fine-tuning (when the experts get adapters; attention-only falls short)",
+        "LoRA Without Regret",
+        _lora_matches,
+        (LORA,),
+    ),
+    Claim(
+        "Low-rank updates with a frozen router move routing less than full fine-tuning",
+        "none (asked here)",
+        _lora_drift,
+        (LORA,),
+    ),
 )
