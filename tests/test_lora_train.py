@@ -12,12 +12,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from test_train import _metrics, _sigterm_after, minibatch
+from test_train import _metrics, minibatch
 
 from gspo_jax import context, lora
+from gspo_jax import iteration as iteration_lib
 from gspo_jax import model as model_lib
 from gspo_jax import run as run_lib
 from gspo_jax.built import build
+from gspo_jax.checkpoint import Checkpointer
 from gspo_jax.config import base_config
 from gspo_jax.validation import ConfigError
 
@@ -140,9 +142,19 @@ def test_lora_runs_with_staleness_r3_and_kl_resumes_bitwise_and_refuses_another_
         for k in ("loss", "grad_norm", "drift_slot_change_rate", "mismatch_kl_k3", "approx_kl"):
             assert np.isfinite(r[k]), (k, r[k])
 
-    with monkeypatch.context() as m, pytest.raises(run_lib.StoppedEarly):
-        _sigterm_after(m, 1)
+    # Killed in its last iteration, as by kill -9 (no stop, no save; checkpoints every iteration at tiny):
+    # the rerun resumes from the adapters, their optimizer state and the stale-policy queue of step 2.
+    original = iteration_lib.rl_iteration
+
+    def killed_in_iteration_3(ctx, state, it):
+        if it == 2:  # 0-based
+            raise RuntimeError("the machine died")
+        return original(ctx, state, it)
+
+    with monkeypatch.context() as m, pytest.raises(RuntimeError, match="died"):
+        m.setattr(iteration_lib, "rl_iteration", killed_in_iteration_3)
         run_lib.train_and_evaluate(built, tmp_path / "resumed", progress=False)
+    assert Checkpointer(tmp_path / "resumed" / "checkpoints").all_steps()[-1] == 2
     run_lib.train_and_evaluate(built, tmp_path / "resumed", progress=False)
     resumed = _metrics(tmp_path / "resumed")
     times = lambda r: {k: v for k, v in r.items() if "seconds" not in k and k not in ("time", "xla_compiles")}
