@@ -8,8 +8,10 @@ the two timed in alternation so that a busy machine slows both alike.
 
 Both runs are set up as the trainer sets them up (`context.set_up`, `RunContext.start`), one minibatch of
 random well-formed sequences for the step; the sampler decodes the rollout's batch to its full length
-(no EOS), prefill included. Figures: best and median seconds of each, their ratios (LoRA / full), the
-machine's peak for scale, and the adapters' share of the parameters.
+(no EOS), prefill included. Figures: best and median seconds of each, their ratios (LoRA / full) beside
+the ratio of their analytic FLOPs (`gspo_jax/flops.py`: the adapters add work where the rank is a sizeable
+share of the width; the frozen base's weight gradients are saved), the machine's peak for scale, and the
+adapters' share of the parameters.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import numpy as np
 
 from benchmarks.run.machine import machine, peak
 from benchmarks.run.shapes import random_batch, shape_config
-from gspo_jax import context
+from gspo_jax import context, flops
 from gspo_jax.built import build
 
 OUT = Path(__file__).with_name("lora.json")
@@ -54,7 +56,10 @@ def _runner(c):
 
     trained = sum(x.size for x in jax.tree.leaves(state[0].params))
     total = sum(x.size for x in jax.tree.leaves(state[0].policy))
-    return step, sample, dict(trained_params=trained, policy_params=total, minibatch=[mb, P + C])
+    counts = dict(trained_params=trained, policy_params=total, minibatch=[mb, P + C])
+    counts["train_flops"] = flops.train_flops(built.model, mb, P + C)  # what the step must compute
+    counts["sample_flops"] = flops.sample_flops(built.model, built.batch_size, P, C)
+    return step, sample, counts
 
 
 def alternate(fns: dict, repeats: int) -> dict[str, list[float]]:
@@ -95,9 +100,12 @@ def main(argv=None) -> dict:
         median = {k: float(np.median(v)) for k, v in times.items()}
         out[name] = dict(best=best, median=median, ratio=best["lora"] / best["full"])
         out[name]["ratio_median"] = median["lora"] / median["full"]
+        key = "train_flops" if name == "train_step" else "sample_flops"
+        out[name]["flops_ratio"] = lora_n[key] / full_n[key]  # the floor the time ratio meets where matmuls dominate
         print(
             f"{name}: full {best['full'] * 1e3:.1f} ms, LoRA {best['lora'] * 1e3:.1f} ms (best of {args.repeats}): "
-            f"LoRA / full {out[name]['ratio']:.3f} (medians {out[name]['ratio_median']:.3f})"
+            f"LoRA / full {out[name]['ratio']:.3f} (medians {out[name]['ratio_median']:.3f}; "
+            f"FLOPs {out[name]['flops_ratio']:.3f})"
         )
     print(
         f"rank {args.rank} on {args.targets}: {lora_n['trained_params']:,} trained parameters of "
