@@ -245,6 +245,8 @@ def build(config: ml_collections.ConfigDict, device_count: int | None = None) ->
     train, optimizer = _with_optimizer("train", TrainConfig, dict(config.train))
     no_router = "False: the model has no MoE layer, so no router to freeze"
     check(not optimizer.freeze_router or model_cfg.num_moe_layers > 0, "config", "train.freeze_router", True, no_router)
+    adapted = "False while lora.targets adapts the router (its adapter would move the routing it freezes)"
+    check(not (optimizer.freeze_router and lora.adapts("router")), "config", "train.freeze_router", True, adapted)
     check(
         isinstance(config.cpu_fast_compile, bool),
         "config",

@@ -118,6 +118,19 @@ def test_a_target_the_model_cannot_have_is_refused(target):
     assert built.build(cfg).model.lora.rank == 0
 
 
+def test_a_frozen_router_with_a_router_adapter_is_refused():
+    """`train.freeze_router` freezes the router's weights; an adapter on them would still move the routing."""
+    cfg = config.base_config("grpo", "tiny")
+    cfg.train.freeze_router = True
+    cfg.lora.update(rank=4, targets=("attention", "router"))
+    with pytest.raises(ConfigError) as e:
+        built.build(cfg)
+    message = str(e.value)
+    assert "\n" not in message and message.startswith("config.train.freeze_router=True") and "router" in message
+    cfg.lora.targets = ("attention", "experts")  # the router frozen, adapters elsewhere: a run
+    assert built.build(cfg).optimizer.freeze_router
+
+
 def test_hf_config_ignores_lora():
     cfg = tiny(rank=4, targets=ALL)
     assert hf_config.config_to_hf(cfg) == hf_config.config_to_hf(tiny())
