@@ -62,16 +62,9 @@ def expert_parallel(experts, mesh, x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_
         y_nD = jnp.einsum("nkd,nk->nd", y_AD.reshape(n, K, D), gates_nK, preferred_element_type=jnp.float32)
         return y_nD.astype(x_nD.dtype)
 
-    tokens = P(sharding.DATA_AXES, None)
-    w_in, w_out = P("expert", None, f_ax), P("expert", f_ax, None)
-    extra, extra_specs = _adapter_args(adapters, "expert", f_ax)
-    y_ND = jax.shard_map(
-        local,
-        mesh=mesh,
-        in_specs=(tokens, tokens, tokens, w_in, w_in, w_out, *extra_specs),
-        out_specs=tokens,
-        check_vma=False,
-    )(x_ND, topk_NK, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD, *extra)
+    y_ND = _per_shard(
+        local, mesh, "expert", f_ax, (x_ND, topk_NK, gates_NK), (w_gate_EDF, w_up_EDF, w_down_EFD), adapters
+    )
     return y_ND[: B * T].reshape(B, T, D)
 
 
@@ -91,17 +84,24 @@ def batch_parallel(experts, mesh, x_BTD, topk_BTK, gates_BTK, w_gate_EDF, w_up_E
         y_nD = experts(x_nD[None], topk_nK[None], gates_nK[None], w_gate, w_up, w_down, *adapters)[0]
         return jax.lax.psum(y_nD, "tensor") if f_ax else y_nD
 
+    y_ND = _per_shard(local, mesh, None, f_ax, (x_ND, topk_NK, gates_NK), (w_gate_EDF, w_up_EDF, w_down_EFD), adapters)
+    return y_ND[: B * T].reshape(B, T, D)
+
+
+def _per_shard(local, mesh, e_ax: str | None, f_ax: str | None, rows: tuple, weights: tuple, adapters):
+    """`local(x_nD, topk_nK, gates_nK, w_gate, w_up, w_down, *adapters)` in a `jax.shard_map` over `mesh`:
+    the `rows` (x_ND, topk_NK, gates_NK) split over every data axis, the `weights` (gate, up [E, D, F],
+    down [E, F, D]) over `e_ax` (E) and `f_ax` (F), the adapters alike (`_adapter_args`); y_ND back."""
     tokens = P(sharding.DATA_AXES, None)
-    w_in, w_out = P(None, None, f_ax), P(None, f_ax, None)
-    extra, extra_specs = _adapter_args(adapters, None, f_ax)
-    y_ND = jax.shard_map(
+    w_in, w_out = P(e_ax, None, f_ax), P(e_ax, f_ax, None)
+    extra, extra_specs = _adapter_args(adapters, e_ax, f_ax)
+    return jax.shard_map(
         local,
         mesh=mesh,
         in_specs=(tokens, tokens, tokens, w_in, w_in, w_out, *extra_specs),
         out_specs=tokens,
         check_vma=False,
-    )(x_ND, topk_NK, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD, *extra)
-    return y_ND[: B * T].reshape(B, T, D)
+    )(*rows, *weights, *extra)
 
 
 def _adapter_args(adapters, e_ax: str | None, f_ax: str | None) -> tuple[tuple, tuple]:
