@@ -4,6 +4,7 @@ profiling notes, so a change can be profiled before and after the same way.
     python -m benchmarks.profile                                  # the train step, `iteration` shape
     python -m benchmarks.profile --program sampler --shape iteration
     python -m benchmarks.profile --program train_step --shape bench --calls 2 --out /tmp/p.json
+    python -m benchmarks.profile --shape configs/study/deep_moe.py:grpo   # the study's headline cell
 
 It runs the program once to warm up, traces `--calls` more calls with `jax.profiler`, reads the trace
 back (`jax.profiler.ProfileData`) and matches each op to the compiled HLO (`Compiled.as_text()`):
@@ -19,8 +20,9 @@ back (`jax.profiler.ProfileData`) and matches each op to the compiled HLO (`Comp
   memory (optimizer updates, non-finite checks, copies and stacks of per-layer buffers);
 - the slowest ops with their shapes and JAX source op names.
 
-Shapes: `tiny` (the CI smoke test), `default`, `bench` (`benchmarks.run.shapes.shape_config`) and
-`iteration` (`benchmarks.run.shapes.iteration_config`). Timing is wall clock on a shared machine: compare
+Shapes: `tiny` (the CI smoke test), `default`, `bench` (`benchmarks.run.shapes.shape_config`),
+`iteration` (`benchmarks.run.shapes.iteration_config`), or any config file as scripts/train.py takes it
+(`--shape configs/study/deep_moe.py:grpo`), with its warm start off. Timing is wall clock on a shared machine: compare
 runs made back to back, as everywhere in `benchmarks/`.
 """
 
@@ -50,6 +52,7 @@ from benchmarks.run.shapes import SHAPES, iteration_config, pieces, random_batch
 from gspo_jax import compiles  # noqa: E402
 from gspo_jax import programs as programs_lib  # noqa: E402
 from gspo_jax import sharding as sharding_lib  # noqa: E402
+from gspo_jax.config_files import load_file  # noqa: E402
 from gspo_jax.sampler import Sampler, SamplerOptions, left_pad  # noqa: E402
 from gspo_jax.sharding import mesh_from_config  # noqa: E402
 
@@ -60,6 +63,11 @@ BOOKKEEPING = ("ThunkExecutor::", "SlinkyThreadPool::", "end: ")  # executor wai
 def _config(shape: str):
     if shape == "real":
         return accelerator.real_dims_config()
+    if ".py" in shape:  # a config file, as scripts/train.py takes it ("configs/study/deep_moe.py:grpo")
+        path, _, arg = shape.partition(":")
+        c = load_file(path).get_config(arg) if arg else load_file(path).get_config()
+        c.warm_start.steps = 0  # random weights: what is timed is the program, not what it learned
+        return c
     return iteration_config(shape) if shape == "iteration" else shape_config(shape)
 
 
@@ -310,7 +318,12 @@ def print_report(r: dict) -> None:
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--program", choices=PROGRAMS, default="train_step")
-    ap.add_argument("--shape", choices=(*SHAPES, "real"), default="iteration", help="real: issue 40's (accelerators)")
+    ap.add_argument(
+        "--shape",
+        default="iteration",
+        help=f"one of {(*SHAPES, 'real')} (real: issue 40's, accelerators) or a config file, e.g. "
+        "configs/study/deep_moe.py:grpo (its warm start off)",
+    )
     ap.add_argument("--max_new_tokens", type=int, default=0, help="the sampler's decode steps (0: the config's)")
     ap.add_argument("--calls", type=int, default=3, help="traced calls (after one warm-up)")
     ap.add_argument("--big-mib", type=float, default=8.0, help="a memory pass writes at least this many MiB")
@@ -319,6 +332,8 @@ def main():
     args = ap.parse_args()
     if args.calls < 1:
         ap.error(f"--calls {args.calls}: must be at least 1")
+    if args.shape not in (*SHAPES, "real") and not Path(args.shape.partition(":")[0]).is_file():
+        ap.error(f"--shape {args.shape!r}: not one of {(*SHAPES, 'real')} nor a config file")
     if args.shape != "tiny":
         refuse_unoptimised(ap, "--shape tiny")
     r = profile(args.program, args.shape, args.calls, args.big_mib, args.top, args.max_new_tokens)

@@ -117,6 +117,16 @@ def test_runner_produces_every_figure(tmp_path):
     assert all(0 < it["sampler_seconds"] <= it["rollout_seconds"] < it["iteration_seconds"] for it in lp["iterations"])
 
 
+def test_the_profiler_takes_a_config_file_as_its_shape_with_the_warm_start_off():
+    """`--shape configs/study/deep_moe.py:grpo`: the file's config at its argument, as scripts/train.py
+    loads it, with random weights (the warm start off: the program is timed, not what it learned)."""
+    from benchmarks import profile
+
+    c = profile._config("configs/study/deep_moe.py:grpo")
+    assert (c.model.num_layers, c.model.num_experts, c.algorithm) == (9, 64, "grpo") and c.warm_start.steps == 0
+    assert profile._config("configs/study/deep_moe.py:gspo").algorithm == "gspo"
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("program", ["train_step", "sampler"])
 def test_profiler_accounts_for_the_traced_time(tmp_path, program):
