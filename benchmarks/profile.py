@@ -52,7 +52,7 @@ from benchmarks.run.shapes import SHAPES, iteration_config, pieces, random_batch
 from gspo_jax import compiles  # noqa: E402
 from gspo_jax import programs as programs_lib  # noqa: E402
 from gspo_jax import sharding as sharding_lib  # noqa: E402
-from gspo_jax.config_files import load_file  # noqa: E402
+from gspo_jax.config_files import load_config  # noqa: E402
 from gspo_jax.sampler import Sampler, SamplerOptions, left_pad  # noqa: E402
 from gspo_jax.sharding import mesh_from_config  # noqa: E402
 
@@ -64,8 +64,7 @@ def _config(shape: str):
     if shape == "real":
         return accelerator.real_dims_config()
     if ".py" in shape:  # a config file, as scripts/train.py takes it ("configs/study/deep_moe.py:grpo")
-        path, _, arg = shape.partition(":")
-        c = load_file(path).get_config(arg) if arg else load_file(path).get_config()
+        c = load_config(shape)
         c.warm_start.steps = 0  # random weights: what is timed is the program, not what it learned
         return c
     return iteration_config(shape) if shape == "iteration" else shape_config(shape)

@@ -20,3 +20,11 @@ def load_file(path: str | os.PathLike, name: str | None = None) -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def load_config(spec: str, name: str | None = None):
+    """The ConfigDict of a config file given as config_flags takes it, "file.py:arg": the file's
+    `get_config(arg)`, or its `get_config()` where no arg is given (the file's own default)."""
+    path, _, arg = spec.partition(":")
+    module = load_file(path, name)
+    return module.get_config(arg) if arg else module.get_config()

@@ -45,7 +45,7 @@ from gspo_jax import built as built_lib  # noqa: E402
 from gspo_jax import config as config_lib  # noqa: E402
 from gspo_jax import multihost  # noqa: E402
 from gspo_jax.compiles import use_persistent_cache  # noqa: E402
-from gspo_jax.config_files import load_file  # noqa: E402
+from gspo_jax.config_files import load_config  # noqa: E402
 from gspo_jax.exit_codes import EXIT_INTERRUPTED, EXIT_REFUSED, EXIT_STOPPED  # noqa: E402
 from gspo_jax.run import StoppedEarly, train_and_evaluate  # noqa: E402
 from gspo_jax.workdir import WorkdirBusy  # noqa: E402
@@ -108,9 +108,7 @@ def unknown_key(argv) -> str | None:
     spec = next((a.split("=", 1)[1] for a in argv if a.startswith("--config=")), None)
     spec = spec or next((argv[i + 1] for i, a in enumerate(argv[:-1]) if a == "--config"), None)
     try:  # as config_flags loads it: the file's get_config(arg) ("file.py:arg"; no arg: its default)
-        path, _, arg = spec.partition(":")
-        module = load_file(path, "_config")
-        config = module.get_config(arg) if arg else module.get_config()
+        config = load_config(spec, "_config")
     except Exception:  # noqa: BLE001  (any failure: fall back to config_flags' own words)
         return None
     for arg in argv[1:]:
