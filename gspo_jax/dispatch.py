@@ -202,53 +202,75 @@ def block_layout(topk_NK: jax.Array, num_experts: int, b: int) -> BlockLayout:
 
 
 # Up to this many experts, the block loop is one loop per expert with the expert's index static, so its
-# weights are loop-invariant (read in place, not copied out per block); past it, one loop reads each
-# block's expert (fewer loops to compile).
+# weights are loop-invariant (read in place, not copied out per block); past it, a loop over experts
+# (`chunk_levels` > 1) or over the used blocks (a forward of few rows: decoding).
 STATIC_EXPERT_LOOPS = 16
+# The widest chunk of an expert's blocks one matmul takes (`chunk_levels`).
+MAX_CHUNK_ROWS = 256
 
 
-def chunk_blocks(assignments: int, num_experts: int, b: int) -> int:
-    """Blocks per chunk in the training pass: an expert's blocks run `chunk` at a time (then one at a
-    time for the rest), so each matmul has about 128 rows where blocks are small, without more
-    padding. A power of two, at most the blocks an expert gets on average; 1 where blocks are already
-    128 rows or more, and below 2,048 assignments, where the extra loops cost more compile time than
-    the wider matmuls save."""
-    c = 1
-    while assignments >= 2048 and 2 * c * b <= 128 and 2 * c * b * num_experts <= assignments:
-        c *= 2
-    return c
+def chunk_levels(assignments: int, b: int) -> tuple[int, ...]:
+    """Blocks per chunk, largest first, ending in 1: an expert's blocks go the largest chunk at a time
+    while that many are left, then the next, so each matmul is as wide as the expert's rows allow
+    (a routing's popular experts get up to 16x the average rows) without more padding. Powers of 4 up
+    to `MAX_CHUNK_ROWS` rows; (1,) below 2,048 assignments, where the extra loops cost more compile
+    time than the wider matmuls save."""
+    levels = [1]
+    while assignments >= 2048 and levels[-1] * 4 * b <= MAX_CHUNK_ROWS:
+        levels.append(levels[-1] * 4)
+    return tuple(reversed(levels))
 
 
-def _for_each_block(layout: BlockLayout, weights: tuple, body, carry, b: int, chunk: int = 1):
-    """carry = body(r, n, carry, w, e) over every used block in order, r its first row and n (static)
-    its rows: e is the block's expert and w the tuple of each [E, ...] array of `weights` at e. With
-    static experts each expert's weights are sliced once, before its loops: XLA:CPU neither hoists
-    such a slice out of the loop nor makes it a view, so slicing inside copied the expert's weights
-    for every block (`benchmarks/profile.py`). The slices sit behind a barrier for the same reason one
-    level up: XLA hoists a barrier (never a bare slice) out of an enclosing loop, so a decode step
-    reads loop-invariant weights in place. With `chunk` > 1 an expert's blocks go `chunk` at a time
-    (n = chunk·b) while that many are left, then one at a time (static experts only: past
-    STATIC_EXPERT_LOOPS one loop visits every block alone)."""
+def _for_each_block(layout: BlockLayout, weights: tuple, body, carry, b: int, levels=(1,), acc: tuple = ()):
+    """(carry, acc_E): carry, a = body(r, n, carry, a, w) over every used block in order, r its first row
+    and n (static) its rows, w the tuple of each [E, ...] array of `weights` at the block's expert. `acc`
+    are per-expert sums (a weight's gradient): zeros at each expert's first block, returned stacked
+    [E, ...] with its expert's sum in each row.
+
+    Expert by expert, each expert's weights are sliced once and its blocks go in chunks of `levels`
+    blocks (n = size·b, largest first): XLA:CPU neither hoists a slice out of a loop nor makes it a
+    view, so slicing per block copied the expert's weights for every block (`benchmarks/profile.py`).
+    Up to STATIC_EXPERT_LOOPS experts the expert index is static and the slices sit behind a barrier:
+    XLA hoists a barrier (never a bare slice) out of an enclosing loop, so a decode step reads
+    loop-invariant weights in place. Past it with `levels` (1,) (a forward of a few rows a expert,
+    decoding) one loop visits every used block alone, reading its expert's weights."""
     num_experts = weights[0].shape[0]
+    zeros = lambda: tuple(jnp.zeros_like(z) for z in acc)
+
+    def expert(start, end, carry, w):
+        state = (carry, zeros())
+        for size in levels:
+            full = (end - start) // size
+            run = lambda j, s, st=start, size=size: body((st + j * size) * b, size * b, *s, w)
+            state = jax.lax.fori_loop(0, full, run, state)
+            start = start + full * size
+        return state
+
     if num_experts <= STATIC_EXPERT_LOOPS:
+        sums = []
         for e in range(num_experts):
             w = tuple(jax.lax.optimization_barrier(x[e]) for x in weights)
-            start, end = (layout.block_end_E[e - 1] if e else 0), layout.block_end_E[e]
-            if chunk > 1:
-                n = chunk * b
-                full = (end - start) // chunk
-                run = lambda j, c, w=w, e=e, s=start, n=n: body((s + j * chunk) * b, n, c, w, e)
-                carry = jax.lax.fori_loop(0, full, run, carry)
-                start = start + full * chunk
-            carry = jax.lax.fori_loop(start, end, lambda i, c, w=w, e=e: body(i * b, b, c, w, e), carry)
-        return carry
-    end = layout.block_end_E[num_experts - 1]  # the blocks of "no expert" (index E), if any, are skipped
+            carry, a = expert(layout.block_end_E[e - 1] if e else 0, layout.block_end_E[e], carry, w)
+            sums.append(a)
+        return carry, tuple(jnp.stack(z) for z in zip(*sums)) if acc else ()
+    stacks = tuple(jnp.zeros((num_experts, *z.shape), z.dtype) for z in acc)
+    if levels == (1,):  # the blocks of "no expert" (index E), if any, are skipped
+        end = layout.block_end_E[num_experts - 1]
 
-    def one(i, c):
-        e = layout.expert_NB[i]
-        return body(i * b, b, c, tuple(x[e] for x in weights), e)
+        def one(i, state):
+            e = layout.expert_NB[i]
+            carry, a = body(i * b, b, state[0], zeros(), tuple(x[e] for x in weights))
+            return carry, tuple(s.at[e].add(z) for s, z in zip(state[1], a))
 
-    return jax.lax.fori_loop(0, end, one, carry)
+        return jax.lax.fori_loop(0, end, one, (carry, stacks))
+
+    def each(e, state):
+        w = tuple(jax.lax.optimization_barrier(jax.lax.dynamic_index_in_dim(x, e, keepdims=False)) for x in weights)
+        start = jnp.where(e > 0, layout.block_end_E[jnp.maximum(e - 1, 0)], 0)
+        carry, a = expert(start, layout.block_end_E[e], state[0], w)
+        return carry, tuple(jax.lax.dynamic_update_index_in_dim(s, z, e, 0) for s, z in zip(state[1], a))
+
+    return jax.lax.fori_loop(0, num_experts, each, (carry, stacks))
 
 
 def _rows(x_RD, r, n):
@@ -269,7 +291,7 @@ def _lora_dot(x_nX, a_XR, b_RY):
 
 
 def _swiglu_blocks(
-    layout: BlockLayout, x_RD, w_gate_EDF, w_up_EDF, w_down_EFD, b: int, chunk: int, keep: bool, adapters=None
+    layout: BlockLayout, x_RD, w_gate_EDF, w_up_EDF, w_down_EFD, b: int, levels: tuple, keep: bool, adapters=None
 ):
     """The experts' SwiGLU on every used block: y_R [R, D], and the gate and up pre-activations
     (g_R, u_R [R, F]) when `keep` (the backward pass reads them). Gate and up stay two matmuls on the
@@ -277,7 +299,7 @@ def _swiglu_blocks(
     `adapters` (`ExpertAdapters`), each projection adds its block's (x·A_e)·B_e."""
     dtype = x_RD.dtype
 
-    def body(r, n, carry, w, e):
+    def body(r, n, carry, acc, w):
         (y_RD, g_RF, u_RF), (w_gate_DF, w_up_DF, w_down_FD, *a) = carry, w
         x_nD = _rows(x_RD, r, n)
         if a:
@@ -291,36 +313,36 @@ def _swiglu_blocks(
             y_RD = _put_rows(y_RD, _dot(jax.nn.silu(g_nF) * u_nF, w_down_FD), r)
         if keep:
             g_RF, u_RF = _put_rows(g_RF, g_nF, r), _put_rows(u_RF, u_nF, r)
-        return y_RD, g_RF, u_RF
+        return (y_RD, g_RF, u_RF), acc
 
     R, D = x_RD.shape
     kept = jnp.zeros((R if keep else 0, w_down_EFD.shape[1]), dtype)
     init = (jnp.zeros((R, D), dtype), kept, kept)
     weights = (w_gate_EDF, w_up_EDF, w_down_EFD) + (tuple(adapters) if adapters is not None else ())
-    return _for_each_block(layout, weights, body, init, b, chunk)
+    return _for_each_block(layout, weights, body, init, b, levels)[0]
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
 def _sparse_experts(
-    b: int, chunk: int, layout: BlockLayout, x_ND, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD, adapters=None
+    b: int, levels: tuple, layout: BlockLayout, x_ND, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD, adapters=None
 ):
-    # Forward only (sampling, scoring): one block at a time, fewer loops to compile; no gain measured.
-    fwd = _sparse_experts_fwd(b, 1, layout, x_ND, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD, adapters, keep=False)
+    fwd = _sparse_experts_fwd(b, levels, layout, x_ND, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD, adapters, keep=False)
     return fwd[0]
 
 
-def _sparse_experts_fwd(b, chunk, layout, x_ND, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD, adapters, keep=True):
+def _sparse_experts_fwd(b, levels, layout, x_ND, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD, adapters, keep=True):
     x_RD = jnp.concatenate([x_ND, jnp.zeros_like(x_ND[:1])])[layout.token_R]
-    y_RD, g_RF, u_RF = _swiglu_blocks(layout, x_RD, w_gate_EDF, w_up_EDF, w_down_EFD, b, chunk, keep, adapters)
+    y_RD, g_RF, u_RF = _swiglu_blocks(layout, x_RD, w_gate_EDF, w_up_EDF, w_down_EFD, b, levels, keep, adapters)
     y_NKD = y_RD[layout.row_NK]
     y_ND = jnp.einsum("nkd,nk->nd", y_NKD, gates_NK, preferred_element_type=jnp.float32).astype(x_ND.dtype)
     return y_ND, (layout, x_RD, g_RF, u_RF, y_NKD, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD, adapters)
 
 
-def _sparse_experts_bwd(b, chunk, res, dy_ND):
-    """The block loop's backward: per block the input gradient and each expert's weight gradients (the
-    adapters' too, accumulated per expert over its own rows). A weight gradient the caller drops (a
-    frozen base under LoRA) is a dead loop carry that XLA's while-loop simplifier removes."""
+def _sparse_experts_bwd(b, levels, res, dy_ND):
+    """The block loop's backward: per block the input gradient, and each expert's weight gradients (the
+    adapters' too) summed over its own blocks in a loop carry, written once per expert. A weight
+    gradient the caller drops (a frozen base under LoRA) is a dead loop carry that XLA's while-loop
+    simplifier removes."""
     layout, x_RD, g_RF, u_RF, y_NKD, gates_NK, w_gate_EDF, w_up_EDF, w_down_EFD, adapters = res
     dtype = x_RD.dtype
     dy_ND = dy_ND.astype(jnp.float32)
@@ -333,8 +355,8 @@ def _sparse_experts_bwd(b, chunk, res, dy_ND):
     )
     dy_RD = (jnp.concatenate([dy_ND, jnp.zeros_like(dy_ND[:1])])[layout.token_R] * gate_R[:, None]).astype(dtype)
 
-    def body(r, n, carry, w, e):
-        (dx_RD, dw_gate_EDF, dw_up_EDF, dw_down_EFD, *da), (w_gate_DF, w_up_DF, w_down_FD, *a) = carry, w
+    def body(r, n, dx_RD, acc, w):
+        (dw_gate_DF, dw_up_DF, dw_down_FD, *da), (w_gate_DF, w_up_DF, w_down_FD, *a) = acc, w
         dy_nD, x_nD = _rows(dy_RD, r, n), _rows(x_RD, r, n)
         g_nF, u_nF = _rows(g_RF, r, n).astype(jnp.float32), _rows(u_RF, r, n).astype(jnp.float32)
         sig_nF = jax.nn.sigmoid(g_nF)
@@ -360,17 +382,18 @@ def _sparse_experts_bwd(b, chunk, res, dy_ND):
                 _dot(h_nF.T, dyb_nR),
                 _dot(xa(h_nF, a_down_FR), dy_nD),
             )
-            da = [d.at[e].add(u) for d, u in zip(da, updates)]
+            da = [d + u for d, u in zip(da, updates)]
         dx_RD = _put_rows(dx_RD, dx_nD, r)
-        dw_gate_EDF = dw_gate_EDF.at[e].add(_dot(x_nD.T, dg_nF))
-        dw_up_EDF = dw_up_EDF.at[e].add(_dot(x_nD.T, du_nF))
-        dw_down_EFD = dw_down_EFD.at[e].add(_dot(h_nF.T, dy_nD))
-        return dx_RD, dw_gate_EDF, dw_up_EDF, dw_down_EFD, *da
+        dw_gate_DF = dw_gate_DF + _dot(x_nD.T, dg_nF)
+        dw_up_DF = dw_up_DF + _dot(x_nD.T, du_nF)
+        dw_down_FD = dw_down_FD + _dot(h_nF.T, dy_nD)
+        return dx_RD, (dw_gate_DF, dw_up_DF, dw_down_FD, *da)
 
-    zeros = lambda w: jnp.zeros(w.shape, jnp.float32)
     weights = (w_gate_EDF, w_up_EDF, w_down_EFD) + (tuple(adapters) if adapters is not None else ())
-    init = (jnp.zeros_like(x_RD), *map(zeros, weights))
-    dx_RD, dw_gate, dw_up, dw_down, *da = _for_each_block(layout, weights, body, init, b, chunk)
+    sums = tuple(jnp.zeros(w.shape[1:], jnp.float32) for w in weights)
+    dx_RD, (dw_gate, dw_up, dw_down, *da) = _for_each_block(
+        layout, weights, body, jnp.zeros_like(x_RD), b, levels, sums
+    )
     dx_ND = jnp.sum(dx_RD[layout.row_NK].astype(jnp.float32), axis=1).astype(dtype)
     cast = lambda g, like: g.astype(like.dtype)
     d_adapters = None if adapters is None else ExpertAdapters(*map(cast, da, adapters))
@@ -391,27 +414,29 @@ def sparse_experts(
     adapters: ExpertAdapters | None = None,
     *,
     block: int | None = None,
-    chunk: int | None = None,
+    levels: tuple[int, ...] | None = None,
 ):
     """Sparse dispatch for CPUs: each token's rows go to an expert-sorted buffer padded per expert to
-    blocks of `block` rows (`sparse_block_size` by default), and a loop over the used blocks runs
-    each one's SwiGLU with its expert's weights. Exact and dropless: a token's output is computed from
-    its own row only, in k·(useful) FLOPs plus at most `block - 1` padding rows per expert, never E/k
-    times the work like the dense path. Under differentiation (the forward and the backward), an
-    expert's blocks run `chunk` at a time (`chunk_blocks` by default) while that many are left: small
-    blocks keep the padding small, chunks keep the matmuls wide; forward-only calls (sampling,
-    scoring) run single blocks. The backward pass is hand-written (the same loops; the gathers'
-    transposes are gathers of the inverse permutation, never scatter-adds). Adapters run in the same
-    blocks: (x_blk·A_e)·B_e beside x_blk·W_e."""
+    blocks of `block` rows (`sparse_block_size` by default), and loops over each expert's blocks run
+    their SwiGLU with its weights. Exact and dropless: a token's output is computed from its own row
+    only, in k·(useful) FLOPs plus at most `block - 1` padding rows per expert, never E/k times the
+    work like the dense path. An expert's blocks go in chunks of `levels` blocks, largest first
+    (`chunk_levels` by default): small blocks keep the padding small, chunks keep the matmuls wide.
+    The backward pass is hand-written (the same loops, each expert's weight gradients summed in a
+    carry; the gathers' transposes are gathers of the inverse permutation, never scatter-adds).
+    Adapters run in the same blocks: (x_blk·A_e)·B_e beside x_blk·W_e."""
     B, T, D = x_BTD.shape
     K, E = topk_BTK.shape[-1], w_gate_EDF.shape[0]
     dtype = x_BTD.dtype
     b = block or sparse_block_size(B * T * K, E)
+    levels = tuple(levels or chunk_levels(B * T * K, b))
+    if levels[-1] != 1 or list(levels) != sorted(levels, reverse=True):
+        raise ValueError(f"sparse_experts: levels must be blocks per chunk, largest first, ending in 1, not {levels}")
     # E + 1 groups: rows routed to "no expert" (index E) get blocks of their own that no loop visits.
     layout = block_layout(topk_BTK.reshape(B * T, K).astype(jnp.int32), E + 1, b)
     y_ND = _sparse_experts(
         b,
-        chunk or chunk_blocks(B * T * K, E + 1, b),
+        levels,
         layout,
         x_BTD.reshape(B * T, D),
         gates_BTK.reshape(B * T, K),

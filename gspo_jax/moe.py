@@ -63,6 +63,21 @@ def route(
     return topk_BTK, gates_BTK, probs_BTE
 
 
+# Padding tokens skip the experts (`expert_rows`); False runs them as any token (the baseline that
+# `benchmarks/deep_iteration.py` times against).
+SKIP_PADDING = True
+
+
+def expert_rows(topk_BTK: jax.Array, valid_BT: jax.Array, num_experts: int) -> jax.Array:
+    """The experts a dispatch runs for each token: its routing, but index E ("no expert", output 0) for
+    padding tokens, whose outputs nothing reads (log-probs, losses and routing statistics are all
+    masked to valid tokens), so in a batch of left-padded prompts and padded completions the experts
+    do only the valid tokens' work. The routing itself (recorded, replayed, measured) is unchanged."""
+    if not SKIP_PADDING:
+        return topk_BTK
+    return jnp.where(valid_BT[..., None], topk_BTK, num_experts).astype(topk_BTK.dtype)
+
+
 def _masked_mean(x_BT, valid_BT):
     w_BT = valid_BT.astype(jnp.float32)
     return jnp.sum(x_BT * w_BT) / jnp.maximum(jnp.sum(w_BT), 1.0)
@@ -177,7 +192,7 @@ class MoE(nnx.Module):
         adapters = self.expert_adapters()
         y_BTD = experts(
             x_BTD.astype(self.dtype),
-            topk_BTK,
+            expert_rows(topk_BTK, valid_BT, self.num_experts),
             gates_BTK,
             self.gate_proj[...],
             self.up_proj[...],

@@ -153,7 +153,7 @@ def test_profiler_accounts_for_the_traced_time(tmp_path, program):
     assert "Traceback" not in r.stderr and "ms per traced call" in r.stdout
 
 
-@pytest.mark.parametrize("module", ["benchmarks.run", "benchmarks.profile"])
+@pytest.mark.parametrize("module", ["benchmarks.run", "benchmarks.profile", "benchmarks.deep_iteration"])
 def test_figures_are_refused_from_programs_compiled_without_optimizations(tmp_path, module):
     """The suite's JAX_DISABLE_MOST_OPTIMIZATIONS (conftest), left on in a shell, would make every
     figure of a full run wrong: refused before anything runs, naming it, nothing written."""
@@ -169,6 +169,29 @@ def test_figures_are_refused_from_programs_compiled_without_optimizations(tmp_pa
     )
     assert r.returncode == 2 and "JAX_DISABLE_MOST_OPTIMIZATIONS is on" in r.stderr, r.stderr[-2000:]
     assert not out.exists()
+
+
+@pytest.mark.slow
+def test_the_deep_iteration_benchmark_runs_both_programs_and_restores_the_switches(tmp_path):
+    """`python -m benchmarks.deep_iteration --smoke` on the tiny preset: both variants run the same
+    iterations from the same policy (their first iteration's metrics agree to float32 rounding: the
+    baseline is the same method), each traced under its own switches, which are restored afterwards."""
+    from benchmarks import deep_iteration as bench
+    from gspo_jax import dispatch, moe
+
+    before = (moe.SKIP_PADDING, dispatch.MAX_CHUNK_ROWS)
+    with bench.switched("baseline"):
+        assert (moe.SKIP_PADDING, dispatch.MAX_CHUNK_ROWS) == (False, 0)
+        assert dispatch.chunk_levels(4352, 16) == (1,)  # the loop over blocks, as before issue 65
+    assert (moe.SKIP_PADDING, dispatch.MAX_CHUNK_ROWS) == before == (True, 256)
+    args = ["--config", "configs/grpo.py:tiny", "--iterations", "1", "--rounds", "1", "--smoke"]
+    out = bench.main([*args, "--warm-start-cache", str(tmp_path), "--out", str(tmp_path / "d.json")])
+    assert json.loads((tmp_path / "d.json").read_text())["config"] == "configs/grpo.py:tiny"
+    for v in ("baseline", "candidate"):
+        assert len(out["rows"][v]) == 1 and len(out["rows"][v][0]) == 2  # one round: a compiling + a timed iteration
+        assert all(out[v][k] > 0 for k in bench.PARTS)
+    assert out["first_iteration_largest_relative_difference"]["relative"] < 1e-3
+    assert before == (moe.SKIP_PADDING, dispatch.MAX_CHUNK_ROWS)
 
 
 def test_whole_split_reads_every_part_off_the_rows():

@@ -56,7 +56,8 @@ PATHS = {
     "dense": dispatch_lib.dense_experts,
     "ragged": dispatch_lib.ragged_experts,
     "sparse": dispatch_lib.sparse_experts,
-    "sparse_b8_chunk2": functools.partial(dispatch_lib.sparse_experts, block=8, chunk=2),
+    "sparse_b8_chunk2": functools.partial(dispatch_lib.sparse_experts, block=8, levels=(2, 1)),
+    "sparse_b8_levels": functools.partial(dispatch_lib.sparse_experts, block=8, levels=(4, 2, 1)),
     "grouped_xla": functools.partial(grouped.grouped_experts, kernels="xla"),
     "grouped_interpret": functools.partial(grouped.grouped_experts, kernels="interpret"),
 }
@@ -74,10 +75,10 @@ def test_every_path_equals_the_merged_weights(path):
         assert all(float(jnp.abs(g[e]).max()) > 0 for e in (0, 1, 2, 4, 5))
 
 
-@pytest.mark.parametrize("path", ["sparse", "grouped_interpret"])
+@pytest.mark.parametrize("path", ["sparse", "sparse_b8_levels", "grouped_interpret"])
 def test_more_experts_and_wider_rows(path):
-    # 20 experts: the sparse loop reads each block's expert (past STATIC_EXPERT_LOOPS); 300 rows:
-    # several 128-row megablox tiles, the last padded.
+    # 20 experts: the sparse loop reads each block's expert (past STATIC_EXPERT_LOOPS), or with chunks
+    # loops over the experts; 300 rows: several 128-row megablox tiles, the last padded.
     x, topk, gates, w, ad = inputs(N=150, E=20, empty=(3, 7))
     want = value_and_grads(merged(dispatch_lib.dense_experts), x, topk, gates, w, ad)
     assert_close(value_and_grads(PATHS[path], x, topk, gates, w, ad), want, atol=5e-5, rtol=5e-5)

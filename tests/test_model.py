@@ -4,6 +4,7 @@ expert parallelism (expert_parallel.py)."""
 import dataclasses
 import functools
 import re
+from unittest import mock
 
 import chex
 import jax
@@ -495,23 +496,36 @@ class TestSparseDispatch(chex.TestCase):
         assert dispatch_lib.sparse_block_size(256, 4) == 16
         assert dispatch_lib.sparse_block_size(4, 128) == 8  # never below 8
 
-    def test_chunk_rule(self):
-        assert dispatch_lib.chunk_blocks(2304, 17, 32) == 4  # `bench`: 128-row chunks, ~4 blocks an expert
-        assert dispatch_lib.chunk_blocks(4608, 9, 64) == 2  # the default config
-        assert dispatch_lib.chunk_blocks(20480, 5, 256) == 1  # blocks already wide
-        assert dispatch_lib.chunk_blocks(2048, 65, 8) == 2  # at most an expert's average share of blocks
-        assert dispatch_lib.chunk_blocks(256, 5, 8) == 1  # the tiny preset: too small to pay
+    def test_chunk_levels_rule(self):
+        assert dispatch_lib.chunk_levels(4352, 16) == (16, 4, 1)  # the deep_moe step: up to 256-row matmuls
+        assert dispatch_lib.chunk_levels(2304, 32) == (4, 1)  # `bench`
+        assert dispatch_lib.chunk_levels(4608, 64) == (4, 1)  # the default config
+        assert dispatch_lib.chunk_levels(20480, 256) == (1,)  # blocks already wide
+        assert dispatch_lib.chunk_levels(256, 8) == (1,)  # the tiny preset (and decoding): too small to pay
+        with self.assertRaisesRegex(ValueError, "levels must be blocks per chunk, largest first, ending in 1"):
+            dispatch_lib.sparse_experts(
+                jnp.ones((1, 4, 8)),
+                jnp.zeros((1, 4, 1), jnp.int32),
+                jnp.ones((1, 4, 1)),
+                jnp.ones((2, 8, 4)),
+                jnp.ones((2, 8, 4)),
+                jnp.ones((2, 4, 8)),
+                levels=(4, 2),
+            )
 
     @chex.variants(with_jit=True)
     @parameterized.named_parameters(
         ("auto_block", 3, 7, 16, 12, 4, 2, None, "random"),
         ("k_equals_e", 2, 5, 8, 8, 4, 4, 8, "random"),
-        ("top3_of_32_one_loop", 2, 9, 16, 8, 32, 3, 8, "random"),  # E > STATIC_EXPERT_LOOPS
+        ("top3_of_32_one_loop", 2, 9, 16, 8, 32, 3, 8, "random"),  # E > STATIC_EXPERT_LOOPS: a loop over blocks
         ("all_to_one_expert", 3, 11, 16, 8, 4, 2, 8, "skewed"),
         # Blocks of 2 rows, 3 at a time: expert 2 gets 17+ blocks, the others a few, so both loops run.
-        ("chunks_all_to_one_expert", 3, 11, 16, 8, 4, 2, 2, "skewed", 3),
+        ("chunks_all_to_one_expert", 3, 11, 16, 8, 4, 2, 2, "skewed", (3, 1)),
+        # E > STATIC_EXPERT_LOOPS with chunks: the loop over experts, each expert's blocks 9, 3, 1 at a time.
+        ("levels_top3_of_32", 2, 9, 16, 8, 32, 3, 2, "random", (9, 3, 1)),
+        ("levels_all_to_one_of_32", 3, 11, 16, 8, 32, 2, 2, "skewed", (9, 3, 1)),
     )
-    def test_matches_dense_values_and_gradients(self, B_, T_, D, F, E, K, block, routing, chunk=None):
+    def test_matches_dense_values_and_gradients(self, B_, T_, D, F, E, K, block, routing, levels=None):
         ks = jax.random.split(jax.random.key(B_ * 100 + E), 6)
         x = jax.random.normal(ks[0], (B_, T_, D))
         w = [jax.random.normal(k, s) * s[-2] ** -0.5 for k, s in zip(ks[1:4], [(E, D, F), (E, D, F), (E, F, D)])]
@@ -521,7 +535,7 @@ class TestSparseDispatch(chex.TestCase):
         topk, gates, _ = moe.route(logits, K, True)
         if routing == "skewed":
             assert np.all(np.asarray(topk[..., 0]) == 2)
-        sparse = functools.partial(dispatch_lib.sparse_experts, block=block, chunk=chunk)
+        sparse = functools.partial(dispatch_lib.sparse_experts, block=block, levels=levels)
 
         def loss(fn, x, gates, *w):
             return jnp.sum(jnp.sin(fn(x, topk, gates, *w)))
@@ -783,6 +797,38 @@ class TestMoEPieces(chex.TestCase):
         f = np.array([2, 2, 1, 1]) / 3
         p = np.asarray(probs[0, :3]).mean(0)
         np.testing.assert_allclose(lb, 4 * np.sum(f * p), rtol=1e-6)
+
+    @chex.variants(with_jit=True)
+    @parameterized.named_parameters(*((d, d) for d in ("dense", "ragged", "sparse", "grouped")))
+    def test_padding_tokens_skip_the_experts(self, dispatch):
+        # A padding token's experts output exactly 0 (it adds nothing to the residual stream: nothing reads
+        # it); a valid token's output, the routing and the aux losses are those of the layer that runs
+        # every token, and so are the gradients (a padding token's output gradient is 0 in any loss
+        # masked to valid tokens).
+        layer = moe.MoE(16, 6, 2, 8, renormalize=True, dispatch=dispatch, rngs=nnx.Rngs(3))
+        graphdef, state = nnx.split(layer)
+        x = jax.random.normal(jax.random.key(4), (2, 7, 16))
+        valid = jnp.arange(7)[None, :] >= jnp.array([[2], [0]])  # row 0: two padding tokens
+        valid = valid & (jnp.arange(7)[None, :] < jnp.array([[7], [5]]))  # row 1: two after its end
+
+        def run(skip):
+            def loss(state, x):
+                y, stats = nnx.merge(graphdef, state)(x, valid)
+                return jnp.sum(jnp.where(valid[..., None], jnp.sin(y), 0.0)), (y, stats)
+
+            with mock.patch.object(moe, "SKIP_PADDING", skip):
+                return self.variant(jax.value_and_grad(loss, argnums=(0, 1), has_aux=True))(state, x)
+
+        (l_skip, (y_skip, s_skip)), g_skip = run(True)
+        (l_all, (y_all, s_all)), g_all = run(False)
+        np.testing.assert_array_equal(np.asarray(y_skip)[~np.asarray(valid)], 0.0)
+        assert float(jnp.abs(y_all[~valid]).min()) > 0  # the layer that runs every token: not 0 there
+        np.testing.assert_allclose(y_skip[valid], y_all[valid], atol=1e-6, rtol=1e-6)
+        np.testing.assert_array_equal(s_skip.topk_BTK, s_all.topk_BTK)
+        np.testing.assert_allclose(
+            [s_skip.lb_loss, s_skip.z_loss, l_skip], [s_all.lb_loss, s_all.z_loss, l_all], rtol=1e-6
+        )
+        chex.assert_trees_all_close(g_skip, g_all, atol=1e-6, rtol=1e-5)
 
     @chex.variants(with_jit=True, without_jit=True)
     def test_rope_depends_on_relative_position(self):
