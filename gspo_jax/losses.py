@@ -38,6 +38,7 @@ import chex
 import jax
 import jax.numpy as jnp
 
+from gspo_jax import router_shift as router_shift_lib
 from gspo_jax.loss_diagnostics import DiagnosticInputs, PolicyTerms, diagnostics, split_diagnostics
 from gspo_jax.metrics import Mean, Metric, Sum
 from gspo_jax.ratios import (
@@ -120,6 +121,9 @@ class LossConfig:
     # RSPO (`gspo_jax.router_shift`): every token's ratio × sg[max(γ, router_shift_floor)] before clipping.
     router_shift: bool = False
     router_shift_floor: float = 0.8
+    # The router probabilities γ compares (`router_shift.PROBS`): "softmax", the full softmax at π_old's
+    # experts (the paper's equation); "topk", renormalised over π_old's K experts (its gates).
+    router_shift_probs: str = "softmax"
 
     def __post_init__(self):
         own = "LossConfig"
@@ -157,6 +161,7 @@ class LossConfig:
         check_number(own, "off_policy_mask_delta", self.off_policy_mask_delta, low=0.0, allow_none=True)
         check(isinstance(self.router_shift, bool), own, "router_shift", self.router_shift, "True or False")
         check_number(own, "router_shift_floor", self.router_shift_floor, low=0.0, high=1.0, strict=True)
+        check_choice(own, "router_shift_probs", self.router_shift_probs, router_shift_lib.PROBS)
         if self.ratio != "geometric":  # ratios are > 0: a lower bound below 0 clips nothing, silently
             check(self.eps_low <= 1.0, own, "eps_low", self.eps_low, "in [0, 1] (1 means no lower bound)")
         if self.gate not in GATES_FOR_RATIO[self.ratio]:

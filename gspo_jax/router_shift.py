@@ -18,6 +18,10 @@ import jax.numpy as jnp
 from gspo_jax.metrics import Mean, Metric, Min
 
 Array = jax.Array
+# Which router probabilities γ compares: the full softmax at π_old's experts (the paper's r, mass moving
+# to experts outside the set counts), or those renormalised over π_old's K experts (the gates some
+# reimplementations read: only the shares within the set count).
+PROBS = ("softmax", "topk")
 
 
 def expert_logprobs(router_logits_BLTE: Array, topk_BLTK: Array) -> Array:
@@ -34,17 +38,30 @@ class RouterShift(NamedTuple):
     metrics: dict[str, Metric]
 
 
-def shift_weight(new_logr_BLTK: Array, old_logr_BLTK: Array, mask_BT: Array, floor: float) -> RouterShift:
+def renormalised(logr_BLTK: Array) -> Array:
+    """Log-probabilities at K experts renormalised over those K: log r(e_k) − log Σ_j r(e_j)."""
+    return logr_BLTK - jax.nn.logsumexp(logr_BLTK, axis=-1, keepdims=True)
+
+
+def shift_weight(
+    new_logr_BLTK: Array, old_logr_BLTK: Array, mask_BT: Array, floor: float, probs: str = "softmax"
+) -> RouterShift:
     """γ = exp(−(1/L) Σ_l (1/K) Σ_k |log r_θ(e_k) − log r_old(e_k)|) over π_old's experts e_k, floored
     at `floor` and stop-gradient (a sample weight, never a path into the router).
 
-    Both arguments are router log-probabilities at the same experts, π_old's (`expert_logprobs`).
+    Both arguments are router log-probabilities at the same experts, π_old's (`expert_logprobs`), of the
+    full softmax; with `probs` "topk" each is renormalised over those K first (`PROBS`).
     Metrics over the `mask_BT` tokens: `router_shift_mean` / `_min` (γ̃ as applied),
     `router_shift_raw_mean` (γ before the floor), `router_shift_floor_frac` (tokens with γ < γ_min,
     whose weight is the floor) and `router_shift_deviation_mean` (Δ, nats).
     """
+    if probs not in PROBS:
+        raise ValueError(f"shift_weight: probs must be one of {PROBS}, not {probs!r}")
     sg = jax.lax.stop_gradient
-    diff_BLTK = jnp.abs(sg(new_logr_BLTK).astype(jnp.float32) - sg(old_logr_BLTK).astype(jnp.float32))
+    new_BLTK, old_BLTK = (sg(x).astype(jnp.float32) for x in (new_logr_BLTK, old_logr_BLTK))
+    if probs == "topk":
+        new_BLTK, old_BLTK = renormalised(new_BLTK), renormalised(old_BLTK)
+    diff_BLTK = jnp.abs(new_BLTK - old_BLTK)
     _, L, _, _ = diff_BLTK.shape
     dev_BT = jnp.mean(jnp.mean(diff_BLTK, axis=-1), axis=1) if L else jnp.zeros(mask_BT.shape, jnp.float32)
     gamma_BT = jnp.exp(-dev_BT)  # Δ ≥ 0: no overflow, no clamp needed

@@ -273,7 +273,8 @@ def _router_shift(static: StepConfig, aux, mb: TrainBatch, mask_BT, metrics: dic
     at_BLTK = aux.topk if static.on_policy else mb.topk
     new_BLTK = router_shift_lib.expert_logprobs(aux.router_logits, at_BLTK)
     old_BLTK = jax.lax.stop_gradient(new_BLTK) if static.on_policy else mb.old_router_logp
-    shift = router_shift_lib.shift_weight(new_BLTK, old_BLTK, mask_BT, static.loss.router_shift_floor)
+    loss = static.loss
+    shift = router_shift_lib.shift_weight(new_BLTK, old_BLTK, mask_BT, loss.router_shift_floor, loss.router_shift_probs)
     metrics.update(shift.metrics)
     return shift.weight_BT
 

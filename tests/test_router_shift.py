@@ -52,6 +52,24 @@ def test_expert_logprobs_are_the_full_softmax_at_the_chosen_experts():
     np.testing.assert_allclose(got[0, 0, 0], np.log([0.4, 0.2]), rtol=1e-6)
 
 
+@JIT
+def test_topk_probs_count_only_the_shares_within_pi_olds_experts(jit):
+    """`probs="topk"` renormalises both routers over π_old's K experts: mass moving out of the set in
+    proportion leaves γ = 1 (the full softmax's γ halves), shares moving within it count alike."""
+    fn = jax.jit(shift_weight, static_argnums=(3, 4)) if jit else shift_weight
+    old = np.log(np.array([[[[0.5, 0.3]]], [[[0.5, 0.3]]]], np.float32))  # [B=2, L=1, T=1, K=2]
+    new = np.log(np.array([[[[0.25, 0.15]]], [[[0.3, 0.5]]]], np.float32))  # out of the set; swapped within
+    mask = jnp.ones((2, 1), bool)
+    soft = fn(jnp.asarray(new), jnp.asarray(old), mask, 0.1, "softmax")
+    top = fn(jnp.asarray(new), jnp.asarray(old), mask, 0.1, "topk")
+    np.testing.assert_allclose(soft.weight_BT, [[0.5], [0.6]], rtol=1e-6)  # exp(-log 2); exp(-log(5/3))
+    np.testing.assert_allclose(top.weight_BT, [[1.0], [0.6]], rtol=1e-6)  # .625/.375 -> .375/.625: 3/5
+    with pytest.raises(ValueError, match="probs must be one of"):
+        shift_weight(jnp.asarray(new), jnp.asarray(old), mask, 0.1, "gates")
+    with pytest.raises(ValueError, match="router_shift_probs"):
+        LossConfig(router_shift=True, router_shift_probs="gates")
+
+
 def test_the_weight_passes_no_gradient_and_is_one_without_moe_layers():
     new, old = two_tokens()
     g = jax.grad(lambda n: jnp.sum(shift_weight(n, jnp.asarray(old), jnp.ones((1, 2)), 0.5).weight_BT))(new)
@@ -164,6 +182,11 @@ def test_the_trainer_applies_the_router_shift_and_the_masks():
     m = values(s.step(batch.replace(old_router_logp=old_router + 0.5))[1])
     assert m["router_shift_mean"] == pytest.approx(0.8) and m["router_shift_floor_frac"] == 1.0
     assert m["router_shift_raw_mean"] == pytest.approx(math.exp(-0.5), rel=1e-4)
+    # Renormalised over π_old's experts (`loss.router_shift_probs="topk"`) the same shift is no shift.
+    c_top = c.copy_and_resolve_references()
+    c_top.loss.router_shift_probs = "topk"
+    m_top = values(Setup(c_top).step(batch.replace(old_router_logp=old_router + 0.5))[1])
+    assert m_top["router_shift_mean"] == pytest.approx(1.0, abs=1e-5)
     args = (batch.old_logp, batch.sampler_logp, batch.loss_mask)
     keep_tok, icepop = icepop_mask(0.99, 1.01, *args)
     keep_seq, geo = geometric_mask(0.002, *args)
