@@ -325,6 +325,51 @@ def test_on_policy_step_equals_the_step_on_a_scored_batch(algorithm, microbatche
     chex.assert_trees_all_close(s1.params, s2.params, rtol=1e-5, atol=1e-6)
 
 
+def test_each_minibatch_of_an_update_equals_an_independent_computation():
+    """GSPO at 4 updates per rollout (the headline cell's multi-minibatch path): every update's sequence
+    ratios, clipping and loss equal numpy's, computed from π_old's log-probs of the full batch's rows (found
+    by their tokens, not by the trainer's indices) and the policy of that update, scored by the scoring
+    program; the four minibatches partition the batch."""
+    c = small("gspo")
+    c.train.update(minibatches=4)
+    s = Setup(c)
+    s.mb_size = B = s.built.batch_size  # the full batch: `minibatch` draws s.mb_size rows
+    full = minibatch(s, seed=5)
+    full = full.replace(old_logp=full.old_logp + 0.01 * full.loss_mask)  # some sequences' ratios leave the band
+    seen = []
+    step = s.programs.train_step
+
+    def recording(state, mb):
+        seen.append((jax.tree.map(jnp.copy, state.policy), mb))
+        out = step(state, mb)
+        seen[-1] += (values(out[1]),)
+        return out
+
+    programs = s.programs._replace(train_step=recording)
+    iteration_lib._updates(programs, s.built.train, s.state(), full, jax.random.key(3))
+    assert len(seen) == 4
+    tokens = np.asarray(full.tokens)
+    rows, clips = [], []
+    lo, hi = s.built.loss.eps_low, s.built.loss.eps_high
+    for policy, mb, m in seen:
+        idx = [int(np.flatnonzero((tokens == t).all(1))[0]) for t in np.asarray(mb.tokens)]
+        rows += idx
+        old, mask, adv = (np.asarray(getattr(full, f))[idx] for f in ("old_logp", "loss_mask", "advantages"))
+        logp = np.asarray(s.programs.score(policy, mb.tokens, mb.positions)[0], np.float64)
+        log_s = np.sum(mask * (logp - old), 1) / np.maximum(mask.sum(1), 1)
+        ratio = np.exp(log_s)
+        surrogate = np.minimum(ratio * adv, np.clip(ratio, 1 - lo, 1 + hi) * adv)
+        assert m["seq_ratio_mean"] == pytest.approx(ratio.mean(), rel=1e-5)
+        assert m["seq_ratio_min"] == pytest.approx(ratio.min(), rel=1e-5)
+        assert m["seq_ratio_max"] == pytest.approx(ratio.max(), rel=1e-5)
+        clipped = (ratio < 1 - lo) & (adv < 0) | (ratio > 1 + hi) & (adv > 0)
+        assert m["seq_clip_frac"] == pytest.approx(clipped.mean())
+        assert m["loss"] == pytest.approx(-surrogate.mean(), rel=1e-4, abs=1e-7)
+        clips.append(clipped)
+    assert sorted(rows) == list(range(B))
+    assert 0 < np.concatenate(clips).mean() < 1  # both sides of the clip were exercised
+
+
 @pytest.mark.parametrize("size", [1, 7, 1000, 4099])  # scalar-like, below and past vector widths
 @pytest.mark.parametrize("bad", [np.nan, np.inf, -np.inf])
 def test_all_finite_is_exactly_every_element_finite(size, bad):
