@@ -4,7 +4,7 @@
   at 1, 2 and 4 updates per rollout, against GSPO as the grid ran it (rerun here: every pair shares
   this code);
 - RSPO as published: GMPO and GMPO + the router-shift ratio, and GSPO + the router-shift ratio.
-5 seeds each, 8 arms: 40 runs, seed by seed so that a partial sweep is balanced.
+5 seeds each, 9 arms: 45 runs, seed by seed so that a partial sweep is balanced.
 
     python scripts/sweep.py configs/sweeps/headline_followup.py --workroot results/headline_followup --parallel 2
     python scripts/sweep.py configs/sweeps/headline_followup.py --workroot results/headline_followup --report
