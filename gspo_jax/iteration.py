@@ -85,7 +85,7 @@ def rl_iteration(ctx: RunContext, state: TrainState, iteration: int) -> tuple[Tr
         state, full, step_metrics = _updates(programs, train, state, full, key)
         if programs.on_policy and not ctx.built.plan.sampler_routing:  # π_old's forward, routed live
             metrics.update(mismatch.sampler_mismatch(batch, full.old_logp, full.topk))
-        host = [jax.tree.map(float, s) for s in jax.device_get(step_metrics)]  # float64 from here
+        host = [jax.tree.map(_float64, s) for s in jax.device_get(step_metrics)]  # float64 from here
         metrics.update(metrics_lib.compute(functools.reduce(metrics_lib.merge, host)))
     if router_before:  # 0 exactly with `train.freeze_router`
         router_after = optimizer_lib.router_leaves(state.params)
@@ -102,6 +102,11 @@ def rl_iteration(ctx: RunContext, state: TrainState, iteration: int) -> tuple[Tr
                 metrics["expert_loads"] = loads  # not a scalar: the run writes it to routing.jsonl
     metrics.update(phases.metrics())
     return state, metrics
+
+
+def _float64(x):
+    """A metric's leaf on the host in float64: a Python float, or an array (a `Quantile`'s counts)."""
+    return float(x) if np.ndim(x) == 0 else np.asarray(x, np.float64)
 
 
 def _updates(programs: Programs, train: TrainConfig, state: TrainState, full: TrainBatch, key):

@@ -13,7 +13,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from gspo_jax.metrics import Max, Mean, Metric, Min, Sum
+from gspo_jax.metrics import Max, Mean, Metric, Min, Quantile, Sum, histogram
 from gspo_jax.ratios import kl_k3, masked_sum
 
 Array = jax.Array
@@ -81,16 +81,32 @@ def diagnostics(x: DiagnosticInputs) -> dict[str, Metric]:
     }
 
 
+# A ratio's tail: outside [1/TAIL, TAIL] (|log r| > log TAIL), and the TAIL_Q quantile of |log r|.
+TAIL, TAIL_Q = 2.0, 0.99
+
+
 def split_diagnostics(delta_BT: Array, clipped_BT: Array, mask_BT: Array, flipped_BT: Array) -> dict[str, Metric]:
-    """Clip fraction and mean |log r| over the tokens in `flipped_BT` and over the rest, and the
-    flipped share of tokens: does clipping land on the tokens whose routing moved? A side with no
-    token reports NaN (undefined, not 0)."""
+    """Clip fraction, mean |log r| and the ratio's tail (the fraction outside [0.5, 2] and the 99th
+    percentile of |log r|, over the iteration's tokens) over the tokens in `flipped_BT` and over the
+    rest, the flipped share of tokens, and the same tail for each sequence's length-normalised
+    log-ratio (mean_t log r, whatever the objective): does clipping land on the tokens whose routing
+    moved, and do their ratios reach extremes? A side with no token reports NaN (undefined, not 0)."""
     sg = jax.lax.stop_gradient
     delta_BT, mask_BT = sg(delta_BT), mask_BT.astype(bool)
+    abs_BT, far = jnp.abs(delta_BT), math.log(TAIL)
     out: dict[str, Metric] = {}
     for name, side_BT in (("flipped", flipped_BT & mask_BT), ("unflipped", ~flipped_BT & mask_BT)):
         n = jnp.sum(side_BT).astype(jnp.float32)
         out[f"clip_frac_{name}"] = Mean(jnp.sum(clipped_BT & side_BT).astype(jnp.float32), n, math.nan)
-        out[f"abs_log_ratio_{name}"] = Mean(masked_sum(jnp.abs(delta_BT), side_BT), n, math.nan)
+        out[f"abs_log_ratio_{name}"] = Mean(masked_sum(abs_BT, side_BT), n, math.nan)
+        out[f"ratio_tail_frac_{name}"] = Mean(jnp.sum((abs_BT > far) & side_BT).astype(jnp.float32), n, math.nan)
+        out[f"abs_log_ratio_p99_{name}"] = Quantile(histogram(abs_BT, side_BT), TAIL_Q)
     out["flipped_frac"] = Mean(jnp.sum(flipped_BT & mask_BT).astype(jnp.float32), jnp.sum(mask_BT).astype(jnp.float32))
+    n_B = jnp.sum(mask_BT, axis=-1)
+    seq_B = n_B > 0
+    abs_log_s_B = jnp.abs(masked_sum(delta_BT, mask_BT, axis=-1) / jnp.maximum(n_B, 1))
+    out["seq_ratio_tail_frac"] = Mean(
+        jnp.sum((abs_log_s_B > far) & seq_B).astype(jnp.float32), jnp.sum(seq_B), math.nan
+    )
+    out["seq_abs_log_ratio_p99"] = Quantile(histogram(abs_log_s_B, seq_B), TAIL_Q)
     return out

@@ -7,6 +7,9 @@ merge without a list of names, as Tunix's losses return a numerator and a denomi
   token count).
 - `Min(value, count)` / `Max(value, count)`: extremes over the entries counted; `empty` when none.
 - `Count(total)`: a tally of events that adds across updates too (skipped updates).
+- `Quantile(counts)`: a quantile of the values counted into a fixed log-spaced histogram (`histogram`);
+  counts add across pieces and across updates (a tail is over all the iteration's tokens), and the
+  quantile is read off the merged counts, exact to within a bin (3.6% of the value).
 
 All are pytrees (jit-friendly). `merge` combines two trees of metrics, `reduce` a stacked tree (e.g.
 the outputs of a `lax.scan` over micro-batches), `compute` turns a tree into plain values. Across the
@@ -22,6 +25,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import struct
 
 
@@ -106,8 +110,46 @@ class Count:
         return self.total
 
 
-Metric = Mean | Sum | Min | Max | Count
-_TYPES = (Mean, Sum, Min, Max, Count)
+# Quantile's bins: log-spaced edges from 10^LOG10_LO to 10^LOG10_HI (values below fall in the first
+# bin, above in the last); |log r| of 1e-6 to 10 nats at 64 bins a decade.
+LOG10_LO, LOG10_HI, BINS = -6.0, 1.0, 448
+
+
+def histogram(x: jax.Array, mask: jax.Array) -> jax.Array:
+    """Counts of the masked values of `x` (> 0; 0 counts into the first bin) in `Quantile`'s bins."""
+    u = (jnp.log10(jnp.maximum(x, 10.0**LOG10_LO)) - LOG10_LO) / (LOG10_HI - LOG10_LO)
+    i = jnp.clip(jnp.floor(u * BINS), 0, BINS - 1).astype(jnp.int32)
+    return jnp.zeros((BINS,), jnp.float32).at[i.reshape(-1)].add(jnp.asarray(mask, jnp.float32).reshape(-1))
+
+
+@struct.dataclass
+class Quantile:
+    counts: Any  # [BINS]: `histogram`'s counts
+    q: float = struct.field(pytree_node=False, default=0.99)
+    empty: float = struct.field(pytree_node=False, default=float("nan"))
+
+    def merge(self, other: Quantile) -> Quantile:
+        return Quantile(self.counts + other.counts, self.q, self.empty)
+
+    def reduce(self) -> Quantile:
+        return Quantile(jnp.sum(self.counts, axis=0), self.q, self.empty)
+
+    def compute(self):
+        """The q-quantile: the bin where the cumulative count reaches q·total, interpolated in log space."""
+        xp = jnp if isinstance(self.counts, jax.Array) else np
+        counts = xp.asarray(self.counts, dtype=xp.float64 if xp is np else jnp.float32)
+        total = counts.sum()
+        cdf = xp.cumsum(counts)
+        target = self.q * total
+        i = xp.clip(xp.searchsorted(cdf, target, side="left"), 0, BINS - 1)
+        below = xp.where(i > 0, cdf[xp.maximum(i - 1, 0)], 0.0)
+        frac = xp.where(counts[i] > 0, (target - below) / xp.where(counts[i] > 0, counts[i], 1.0), 0.0)
+        value = xp.where(total > 0, 10.0 ** (LOG10_LO + (i + frac) * (LOG10_HI - LOG10_LO) / BINS), self.empty)
+        return float(value) if xp is np else value
+
+
+Metric = Mean | Sum | Min | Max | Count | Quantile
+_TYPES = (Mean, Sum, Min, Max, Count, Quantile)
 
 
 def _pick(a, b, fn):
@@ -138,7 +180,7 @@ def per_update(tree):
     """One optimizer step's metrics as it enters an iteration's report: each step weighs 1."""
 
     def one(m):
-        if isinstance(m, Count):
+        if isinstance(m, (Count, Quantile)):  # a tally, and a tail over every update's values
             return m
         if isinstance(m, Sum):
             return Mean(m.compute(), 1)

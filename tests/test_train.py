@@ -228,6 +228,18 @@ def test_the_step_splits_clipping_ratio_noise_and_gradient_by_flipped_routing(re
     logp, _ = model_lib.score(s.graphdef, temperature, s.params, batch.tokens, batch.positions, forced)
     delta = np.abs(np.asarray(logp) - np.asarray(batch.old_logp))
     assert m["abs_log_ratio_flipped"] == pytest.approx(delta[mask & flipped[:, None]].mean(), rel=1e-4)
+    # The tails: beyond [0.5, 2] exactly; the 99th percentile within a histogram bin (3.6%) of the order
+    # statistic at rank ceil(0.99 n), per side and for the sequences' length-normalised log-ratios.
+    for name, side in (("flipped", mask & flipped[:, None]), ("unflipped", mask & ~flipped[:, None])):
+        assert m[f"ratio_tail_frac_{name}"] == pytest.approx((delta[side] > np.log(2)).mean(), abs=1e-6)
+        kth = np.sort(delta[side])[int(np.ceil(0.99 * side.sum())) - 1]
+        assert m[f"abs_log_ratio_p99_{name}"] == pytest.approx(kth, rel=0.04)
+    assert 0 < m["ratio_tail_frac_unflipped"] < 1  # 0.3-nat noise: some tokens leave [0.5, 2]
+    signed = np.asarray(logp) - np.asarray(batch.old_logp)
+    abs_log_s = np.abs((signed * mask).sum(1) / np.maximum(mask.sum(1), 1))[mask.any(1)]
+    assert m["seq_ratio_tail_frac"] == pytest.approx((abs_log_s > np.log(2)).mean(), abs=1e-6)
+    kth = np.sort(abs_log_s)[int(np.ceil(0.99 * len(abs_log_s))) - 1]
+    assert m["seq_abs_log_ratio_p99"] == pytest.approx(kth, rel=0.04)
     cfg = s.built.loss
     loss = lambda lp: losses.policy_loss(
         cfg,
