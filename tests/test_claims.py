@@ -160,15 +160,25 @@ def test_the_dapo_row_pairs_each_rung_to_the_one_below_over_shared_seeds_and_wai
 @pytest.mark.parametrize(
     "step, filter_at_21, want",
     [
-        (0.05, 0.05, "Reproduced: every rung helps; overlong filtering where nothing is cut (32 tokens): includes 0"),
+        (
+            0.05,
+            0.05,
+            "Reproduced: every rung helps; overlong filtering where nothing is cut (32 tokens): includes 0; "
+            "dynamic sampling's gain at equal rollouts: pending",
+        ),
         (
             0.05,
             -0.05,
             "Not reproduced: + soft overlong shaping, + clip-higher, + token-level loss, + dynamic sampling help; "
             "+ overlong filtering hurts; overlong filtering where nothing is cut (32 tokens): includes 0 (its cost is "
-            "the budget's)",
+            "the budget's); dynamic sampling's gain at equal rollouts: pending",
         ),
-        (0.0, 0.0, "Not reproduced: no rung helps; overlong filtering where nothing is cut (32 tokens): includes 0"),
+        (
+            0.0,
+            0.0,
+            "Not reproduced: no rung helps; overlong filtering where nothing is cut (32 tokens): includes 0; "
+            "dynamic sampling's gain at equal rollouts: pending",
+        ),
     ],
 )
 def test_with_five_seeds_the_dapo_verdict_follows_each_rungs_interval(step, filter_at_21, want):
@@ -250,3 +260,97 @@ def test_the_lora_rows_wait_for_five_seeds_then_apply_the_margin_and_the_drift_r
     assert "full fine-tuning 2.0–2.4%" in here and "paired +1.00 ± 0.00 (+1.00 to +1.00) points" in here
     _, verdict, _ = study._lora_drift(LoraGrid(acc, lambda arm, seed: 0.02 + 0.001 * ((seed * 3) % 5)))
     assert verdict.count("not resolved") == 4  # no difference: an interval on 0
+
+
+class SweepGrid(claims.Results):
+    """The committed results, with the sweeps in `acc` replaced by synthetic runs of their sweep files' own
+    arms: final accuracy `acc[sweep](arm, seed)` from a start of 0.5, for the seeds in `seeds`."""
+
+    def __init__(self, acc, seeds=range(5)):
+        super().__init__(ROOT)
+        self.acc, self.seeds = acc, seeds
+
+    def arms(self, name):
+        if name not in self.acc:
+            return super().arms(name)
+        out = {}
+        for r in sweeps.load_sweep(ROOT / "configs" / "sweeps" / f"{name}.py", ROOT).runs:
+            seed = r.overrides[sweeps.SEED]
+            if seed in self.seeds:
+                out.setdefault(r.arm, []).append(run(r.arm, seed, 0.5, self.acc[name](r.arm, seed)))
+        return out
+
+
+def test_the_new_rows_name_their_sweeps_arms():
+    arms = lambda name: {r.arm for r in sweeps.load_sweep(ROOT / "configs" / "sweeps" / f"{name}.py", ROOT).runs}
+    assert arms(study.FOLLOWUP) == {study.GSPO_CONTROL, *study.GSPO_VARIANTS, *study.RSPO_PAIRS, "gmpo-minibatches=8"}
+    assert arms(study.SPLIT) == {study.SPLIT_CONTROL, *study.SPLIT_ARMS}
+    assert arms(study.SAMPLING) == set(study.SAMPLING_ARMS)
+
+
+def jitter(arm: str, seed: int) -> float:
+    return 0.005 * ((seed * 7 + len(arm)) % 5)
+
+
+@pytest.mark.parametrize(
+    "steady, want",
+    [
+        ({"eps_low=0.003"}, "The clip range: clip range 10× stops the collapse"),
+        (
+            {"gspo-minibatches=1", "gspo-minibatches=2"},
+            "The sequence ratio off-policy: 1 update per rollout, 2 updates stops it, no wider range does",
+        ),
+        (set(), "Neither: GSPO collapses on-policy too (every ratio 1, nothing clipped)"),
+        ({"control"}, "Not this code's behaviour: the rerun control collapsed in 0/5"),
+    ],
+)
+def test_the_gspo_collapse_verdict_follows_the_preregistered_order(steady, want):
+    def acc(arm, seed):  # a collapsed run ends 30 points below its start of 0.5; a steady one 10 above
+        ok = (
+            any(k in arm for k in steady)
+            and "router_shift" not in arm
+            or (arm == study.GSPO_CONTROL and "control" in steady)
+        )
+        return (0.6 if ok else 0.2) + jitter(arm, seed)
+
+    here, verdict, limits = study._gspo_collapse(SweepGrid({study.FOLLOWUP: acc}))
+    assert verdict == want and limits.startswith("5 of 5 seeds; they resolve")
+    assert "Headline cell, GSPO rerun (5 seeds)" in here and "collapsed in 5/5" in here  # the headline grid's
+    _, pending, _ = study._gspo_collapse(SweepGrid({study.FOLLOWUP: acc}, seeds=range(3)))
+    assert pending == "Pending: `headline_followup` has 3 of 5 seeds of every arm"
+
+
+def test_the_rspo_row_pairs_each_with_its_objective_alone():
+    lift = {"gmpo-minibatches=8-router_shift=True": 0.1, "gspo-minibatches=8-router_shift=True": 0.0}
+    # each arm's seeds wobble ±0.01 around its lift (the jitter's five values are 0 to 0.02, mean 0.01)
+    acc = lambda arm, seed: 0.5 + lift.get(arm, 0.0) + (jitter(arm, seed) - 0.01) * (arm in lift)  # noqa: E731
+    here, verdict, _ = study._rspo(SweepGrid({study.FOLLOWUP: acc}))
+    assert verdict == "GMPO + router shift (RSPO as published) helps; GSPO + router shift unresolved"
+    want = analysis.interval([0.09 + jitter("gmpo-minibatches=8-router_shift=True", s) for s in range(5)])
+    assert f"GMPO + router shift (RSPO as published) {want.text()} (0/5 collapsed; alone 0/5)" in here
+
+
+def test_the_mechanism_row_splits_the_on_policy_control_with_its_interaction():
+    effect = {"grpo-minibatches=1-dtype=bfloat16": 0.03, "grpo-minibatches=4-dtype=float32": 0.01}
+    both = "grpo-minibatches=1-dtype=float32"
+    acc = lambda arm, seed: 0.5 + (0.05 if arm == both else effect.get(arm, 0.0)) + jitter(arm, seed)  # noqa: E731
+    here, _, limits = study._mechanism(SweepGrid({study.SPLIT: acc}))
+    inter = analysis.interval(
+        [
+            jitter(both, s)
+            - jitter(study.SPLIT_CONTROL, s)
+            + 0.01
+            - sum(jitter(a, s) - jitter(study.SPLIT_CONTROL, s) for a in effect)
+            for s in range(5)
+        ]
+    )
+    assert f"; interaction {inter.text()}" in here and "Split in its two changes (`on_policy_split`, 5 seeds" in here
+    assert "the control's two changes split in `on_policy_split` (5 of 5 seeds)" in limits
+
+
+@pytest.mark.parametrize("more, want", [(0.0, "the filter's"), (0.09, "the sampling's")])
+def test_dynamic_sampling_at_equal_rollouts_names_the_filter_or_the_sampling(more, want):
+    lift = {"grpo-dynamic_sampling=True-max_rounds=3": 0.09, "grpo-num_groups=64": more}
+    acc = lambda arm, seed: 0.5 + lift.get(arm, 0.0) + jitter(arm, seed)  # noqa: E731
+    text, verdict = study._dapo_sampling(SweepGrid({study.SAMPLING: acc}))
+    assert verdict == want and "Dynamic sampling at equal rollouts (`dapo_sampling`, 5 seeds)" in text

@@ -261,6 +261,101 @@ def _instruments(res: Results) -> tuple[str, str, str]:
     return here, verdict, limits
 
 
+FOLLOWUP = "headline_followup"  # configs/sweeps/headline_followup.py: the headline cell's open questions
+FOLLOWUP_SEEDS = 5  # pre-registered
+GSPO_CONTROL = "gspo-minibatches=8"  # GSPO as the headline grid ran it, rerun beside its variants
+GSPO_VARIANTS = {  # arm -> what it changes
+    "gspo-minibatches=8-eps_low=0.003-eps_high=0.004": "clip range 10×",
+    "gspo-minibatches=8-eps_low=0.009-eps_high=0.012": "clip range 30×",
+    "gspo-minibatches=1": "1 update per rollout",
+    "gspo-minibatches=2": "2 updates",
+    "gspo-minibatches=4": "4 updates",
+}
+
+
+def _steady(rs: Sequence[RunResult], d: Interval) -> bool:
+    """The ANALYSIS's "stops the collapse": at most 1 of the seeds collapsed, and the paired interval above 0."""
+    return sum(r.collapsed() for r in rs) <= 1 and d.lo > 0
+
+
+def _gspo_collapse(res: Results) -> tuple[str, str, str]:
+    """Why GSPO collapsed in the headline cell, by headline_followup's pre-registered ANALYSIS (issue 65, point 3)."""
+    k, h = shared_seeds(res.arms(FOLLOWUP), [GSPO_CONTROL, *GSPO_VARIANTS])
+    verdict = f"Pending: `{FOLLOWUP}` has {k} of {FOLLOWUP_SEEDS} seeds of every arm"
+    here = f"`{FOLLOWUP}` has no seed of every arm yet. "
+    d: dict[str, Interval] = {}
+    if k:
+        ctrl = h[GSPO_CONTROL]
+        d = {a: paired(final(h[a]), final(ctrl)) for a in GSPO_VARIANTS}
+        here = (
+            f"Headline cell, GSPO rerun ({k} seed{'s' if k > 1 else ''}): at the paper's clip range and 8 updates per "
+            f"rollout collapsed in {collapses(ctrl)}, clipping {span(run_means(ctrl, 'seq_clip_frac'), 0)} of "
+            "completions; paired to it, final sampled: "
+            + "; ".join(f"{what} {d[a].text()} ({collapses(h[a])} collapsed)" for a, what in GSPO_VARIANTS.items())
+            + ". "
+        )
+        if k >= FOLLOWUP_SEEDS:
+            wide = [what for a, what in GSPO_VARIANTS.items() if "eps" in a and _steady(h[a], d[a])]
+            fewer = [what for a, what in list(GSPO_VARIANTS.items())[2:4] if _steady(h[a], d[a])]
+            on_policy = h["gspo-minibatches=1"]
+            if sum(r.collapsed() for r in ctrl) < 4:
+                verdict = f"Not this code's behaviour: the rerun control collapsed in {collapses(ctrl)}"
+            elif wide:
+                verdict = "The clip range: " + ", ".join(wide) + " stops the collapse"
+            elif fewer:
+                verdict = "The sequence ratio off-policy: " + ", ".join(fewer) + " stops it, no wider range does"
+            elif sum(r.collapsed() for r in on_policy) >= 4:
+                verdict = "Neither: GSPO collapses on-policy too (every ratio 1, nothing clipped)"
+            else:
+                verdict = "Unresolved: no arm meets the rule"
+    g = res.arms(HEADLINE)
+    if "gspo" in g:
+        here += f"The headline grid's GSPO (before e7f042c's dispatch): collapsed in {collapses(g['gspo'])}"
+    limits = f"{k} of {FOLLOWUP_SEEDS} seeds; "
+    if k > 1:
+        limits += f"they resolve paired sampled differences beyond ±{widths(list(d.values()))} points; "
+    limits += (
+        "the control rerun here: the expert dispatch changed its float32 summation order since the headline grid "
+        "(issue 65, point 1); a defect on the multi-minibatch path is ruled out only as far as "
+        "tests/test_train.py's independent computation covers it"
+    )
+    return here, verdict, limits
+
+
+RSPO_PAIRS = {  # arm -> (its control, what it is)
+    "gmpo-minibatches=8-router_shift=True": ("gmpo-minibatches=8", "GMPO + router shift (RSPO as published)"),
+    "gspo-minibatches=8-router_shift=True": (GSPO_CONTROL, "GSPO + router shift"),
+}
+
+
+def _rspo(res: Results) -> tuple[str, str, str]:
+    """RSPO as its paper names it, and the headline grid's lead at 5 seeds (issue 65, point 6)."""
+    done = res.arms(FOLLOWUP)
+    k, h = shared_seeds(done, [key for pair in RSPO_PAIRS.items() for key in (pair[0], pair[1][0])])
+    verdict = f"Pending: `{FOLLOWUP}` has {k} of {FOLLOWUP_SEEDS} seeds of every arm"
+    here, d = f"`{FOLLOWUP}` has no seed of every arm yet", {}
+    if k:
+        d = {a: paired(final(h[a]), final(h[c])) for a, (c, _) in RSPO_PAIRS.items()}
+        here = (
+            f"Headline cell ({k} seed{'s' if k > 1 else ''}), final sampled paired to the objective alone: "
+            + "; ".join(
+                f"{what} {d[a].text()} ({collapses(h[a])} collapsed; alone {collapses(h[c])})"
+                for a, (c, what) in RSPO_PAIRS.items()
+            )
+        )
+        if k >= FOLLOWUP_SEEDS:
+            words = {"above 0": "helps", "below 0": "hurts", "includes 0": "unresolved"}
+            verdict = "; ".join(f"{what} {words[sign(d[a])]}" for a, (_, what) in RSPO_PAIRS.items())
+    limits = f"{k} of {FOLLOWUP_SEEDS} seeds; "
+    if k > 1:
+        limits += f"they resolve paired sampled differences beyond ±{widths(list(d.values()))} points; "
+    limits += (
+        "γ on the full softmax at π_old's experts (`loss.router_shift_probs`), floor 0.8 (the paper's value is not "
+        "stated); the headline cell's regime (8 MoE layers of 64 experts, 8 updates per rollout, ~36 tokens)"
+    )
+    return here, verdict, limits
+
+
 DAPO = "dapo_ladder_v2"  # configs/sweeps/dapo_ladder_v2.py: six rungs at a binding budget, a control at a loose one
 DAPO_SEEDS = 5  # pre-registered
 BINDING, LOOSE = 21, 32  # the sweep file's completion budgets, tokens
@@ -317,6 +412,8 @@ def _dapo(res: Results) -> tuple[str, str, str]:
             + ". "
         )
     here += _dapo_earlier(res)
+    equal, filt_verdict = _dapo_sampling(res)
+    here += equal
     verdict = f"Pending: the ladder has {k} of {DAPO_SEEDS} seeds, the control {kc} of {DAPO_SEEDS}"
     if k >= DAPO_SEEDS and kc >= DAPO_SEEDS:
         signs = [sign(s) for s in steps]
@@ -332,6 +429,7 @@ def _dapo(res: Results) -> tuple[str, str, str]:
         verdict += f"; overlong filtering where nothing is cut ({LOOSE} tokens): {filt}"
         if filt == "includes 0" and signs[0] == "below 0":
             verdict += " (its cost is the budget's)"
+        verdict += f"; dynamic sampling's gain at equal rollouts: {filt_verdict}"
     limits = f"{k} of {DAPO_SEEDS} seeds on the ladder, {kc} of {DAPO_SEEDS} on the control; "
     if k > 1:
         limits += f"they resolve paired sampled differences beyond ±{widths(steps)} points; "
@@ -348,6 +446,32 @@ def _dapo(res: Results) -> tuple[str, str, str]:
         "overlong shaping comes before clip-higher here, after it in the paper"
     )
     return here, verdict, limits
+
+
+SAMPLING = "dapo_sampling"  # configs/sweeps/dapo_sampling.py: the fifth rung with and without dynamic sampling
+SAMPLING_ARMS = ("grpo", "grpo-dynamic_sampling=True-max_rounds=3", "grpo-num_groups=64")
+
+
+def _dapo_sampling(res: Results) -> tuple[str, str]:
+    """(a sentence, the verdict) of dynamic sampling against drawing as many rollouts (issue 65, point 5)."""
+    k, h = shared_seeds(res.arms(SAMPLING), SAMPLING_ARMS)
+    if not k:
+        return f". Dynamic sampling at equal rollouts (`{SAMPLING}`): no seed of every arm yet", "pending"
+    rung5, dyn, more = (h[a] for a in SAMPLING_ARMS)
+    d_dyn, d_more = paired(final(dyn), final(rung5)), paired(final(more), final(rung5))
+    d_filter = paired(final(dyn), final(more))
+    text = (
+        f". Dynamic sampling at equal rollouts (`{SAMPLING}`, {k} seed{'s' if k > 1 else ''}), paired to the fifth "
+        f"rung: dynamic sampling {d_dyn.text()}, 64 groups every iteration {d_more.text()}; dynamic sampling − 64 "
+        f"groups {d_filter.text()}"
+    )
+    if k < DAPO_SEEDS:
+        return text, f"pending ({k} of {DAPO_SEEDS} seeds)"
+    if d_dyn.lo > 0 and d_filter.lo > 0:
+        return text, "the filter's"
+    if d_more.lo > 0 and sign(d_filter) == "includes 0":
+        return text, "the sampling's"
+    return text, "unresolved"
 
 
 def _dapo_earlier(res: Results) -> str:
@@ -393,13 +517,50 @@ def _mechanism(res: Results) -> tuple[str, str, str]:
         verdict = "Not found: no collapse off-policy by the pre-registered rule"
         if d.hi < 0:
             verdict += "; off-policy ends below on-policy (sampled interval below 0), a small effect"
+    split, split_limit = _on_policy_split(res)
+    here += split
     limits = (
         f"{d.n} seeds in the criterion's cells (resolving a paired difference beyond ±{100 * (d.hi - d.lo) / 2:.1f} "
-        "points); the on-policy control changes two things (updates per rollout, sampler precision); the dense "
+        f"points); {split_limit}; the dense "
         f"model's warm start is {100 * (start(off) - start(dense)):.0f} points lower (greedy); 60 iterations, widths "
         "64–128; the search: 20 runs, ~6 CPU-hours"
     )
     return here, verdict, limits
+
+
+SPLIT = "on_policy_split"  # configs/sweeps/on_policy_split.py: updates per rollout x sampler precision
+SPLIT_SEEDS = 5  # pre-registered
+SPLIT_ARMS = {  # arm -> what it changes from the off-policy cell (4 updates, bf16 sampler)
+    "grpo-minibatches=1-dtype=bfloat16": "1 update per rollout alone",
+    "grpo-minibatches=4-dtype=float32": "a float32 sampler alone",
+    "grpo-minibatches=1-dtype=float32": "both (the search's on-policy control)",
+}
+SPLIT_CONTROL = "grpo-minibatches=4-dtype=bfloat16"
+
+
+def _on_policy_split(res: Results) -> tuple[str, str]:
+    """(a sentence, a limit) for the on-policy control split in its two changes (issue 65, point 4)."""
+    k, h = shared_seeds(res.arms(SPLIT), [SPLIT_CONTROL, *SPLIT_ARMS])
+    if not k:
+        return (
+            f". The control split in its two changes (`{SPLIT}`): no seed of every cell yet",
+            "the on-policy control changes two things (updates per rollout, sampler precision)",
+        )
+    d = {a: paired(final(h[a]), final(h[SPLIT_CONTROL])) for a in SPLIT_ARMS}
+    alone = [a for a in SPLIT_ARMS if "alone" in SPLIT_ARMS[a]]
+    # the interaction: both − (each alone summed), per seed
+    by = {a: final(h[a]) for a in [SPLIT_CONTROL, *SPLIT_ARMS]}
+    base, both = by[SPLIT_CONTROL], by["grpo-minibatches=1-dtype=float32"]
+    inter = iv(
+        {s: both[s] - base[s] - sum(by[a][s] - base[s] for a in alone) for s in base if all(s in by[a] for a in by)}
+    )
+    text = (
+        f". Split in its two changes (`{SPLIT}`, {k} seed{'s' if k > 1 else ''}, rerun here), final sampled paired to "
+        "the off-policy cell: "
+        + "; ".join(f"{SPLIT_ARMS[a]} {d[a].text()}" for a in SPLIT_ARMS)
+        + f"; interaction {inter.text()}"
+    )
+    return text, f"the control's two changes split in `{SPLIT}` ({k} of {SPLIT_SEEDS} seeds)"
 
 
 LORA = "lora"  # configs/sweeps/lora.py: GSPO full fine-tuning against LoRA, the main job's regime
@@ -499,6 +660,19 @@ CLAIMS = (
         (HEADLINE, "objectives_replay", "many_experts", "many_experts_r3"),
     ),
     Claim(
+        "GSPO's sequence-level ratio keeps a sparse MoE policy stable off-policy (here it collapsed: clip range, "
+        "sequence ratio, or defect?)",
+        "GSPO",
+        _gspo_collapse,
+        (FOLLOWUP,),
+    ),
+    Claim(
+        "RSPO (GMPO with the router-shift ratio) trains an MoE policy stably and better",
+        "RSPO",
+        _rspo,
+        (FOLLOWUP,),
+    ),
+    Claim(
         "Weight replay, RSPO's router-shift ratio, IcePop and the geometric sequence mask steady an MoE policy",
         "RSPO, IcePop",
         _instruments,
@@ -509,9 +683,11 @@ CLAIMS = (
         "one holds",
         "GSPO, R3",
         _mechanism,
-        ("mechanism_search",),
+        ("mechanism_search", SPLIT),
     ),
-    Claim("Each DAPO ingredient adds to the last (30 → 36 → 38 → 42 → 50)", "DAPO", _dapo, (DAPO, "dapo_ladder")),
+    Claim(
+        "Each DAPO ingredient adds to the last (30 → 36 → 38 → 42 → 50)", "DAPO", _dapo, (DAPO, "dapo_ladder", SAMPLING)
+    ),
     Claim(
         "LoRA RL at rank 1 matches full fine-tuning (when the experts get adapters; attention-only falls short)",
         "LoRA Without Regret",
