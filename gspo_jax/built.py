@@ -12,7 +12,6 @@ reference is kept) is decided here once, in `Plan`; nothing downstream re-derive
 from __future__ import annotations
 
 import dataclasses
-import math
 from pathlib import Path
 from typing import Any
 
@@ -24,11 +23,12 @@ from gspo_jax.config import as_json, optimizer_keys, warm_start_key
 from gspo_jax.critic import CriticConfig
 from gspo_jax.hf_config import config_from_hf
 from gspo_jax.lora import LoraConfig, check_targets
+from gspo_jax.mesh_config import MeshConfig, check_mesh, check_split
 from gspo_jax.model_config import CONFIG_KEYS, ModelConfig
 from gspo_jax.optimizer import OptimizerConfig
 from gspo_jax.rollout import RolloutConfig
 from gspo_jax.tasks import TASKS, check_fields, check_splits, load_tokenizer, make_task
-from gspo_jax.validation import ConfigError, check, check_choice, check_int, is_int
+from gspo_jax.validation import ConfigError, check, check_choice, check_int
 
 OLD_LOGP_SOURCES = ("sampler", "trainer")
 # R2: π_old's routing recomputed by the trainer; R3: the sampler's expert ids; R3W: the sampler's ids and
@@ -91,26 +91,6 @@ class WarmStartConfig:
             check(ok, "config", "warm_start.cache_dir", self.cache_dir, allowed)
         check_int("config", "warm_start.steps", self.steps, low=0)
         check_int("config", "warm_start.batch_size", self.batch_size)
-
-
-@dataclasses.dataclass(frozen=True)
-class MeshConfig:
-    """`config.mesh`: each axis's size; in the config -1 for the devices left, which `build` resolves
-    against the devices (a built config's mesh has every size)."""
-
-    data: int
-    fsdp: int
-    expert: int
-    tensor: int
-
-    def axes(self) -> dict[str, int]:
-        """The sizes as `sharding.make_mesh`'s keyword arguments."""
-        return dataclasses.asdict(self)
-
-    @property
-    def data_size(self) -> int:
-        """How many devices a batch is split over: data × fsdp × expert (`sharding.DATA_AXES`)."""
-        return self.data * self.fsdp * self.expert
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,7 +177,9 @@ class Built:
     train: TrainConfig
     optimizer: OptimizerConfig  # the policy's: `config.train`'s optimizer keys
     warm_start: WarmStartConfig
-    mesh: MeshConfig
+    mesh: MeshConfig  # the trainer's (and with no `rollout_mesh`, the sampler's too)
+    rollout_mesh: MeshConfig | None  # the sampler's own mesh on `mesh.rollout_devices` devices, or None
+    rollout_devices: int  # `mesh.rollout_devices`: the last devices, the sampler's (0: one mesh)
     critic: CriticConfig | None  # PPO's value model, its architecture resolved
     critic_optimizer: OptimizerConfig | None  # `config.critic`'s optimizer keys
     plan: Plan  # what the run decides from these sections, decided once (`plan`)
@@ -279,13 +261,29 @@ def build(config: ml_collections.ConfigDict, device_count: int | None = None) ->
         "a drift batch chunk (train.drift_subsample, model.batch_chunks)": batch // (train.drift_subsample * chunks),
         "warm_start.batch_size": warm.batch_size if warm.steps else 0,
     }
-    mesh = _check_mesh(
-        _typed("mesh", MeshConfig, dict(config.mesh)),
+    devices = jax.device_count() if device_count is None else device_count
+    processes = jax.process_count() if device_count is None else 1
+    num_experts = {key: m.num_experts for key, m in experts if m.num_moe_layers}
+    mesh_keys = dict(config.mesh)
+    rollout_devices, rollout_axes = mesh_keys.pop("rollout_devices", 0), dict(mesh_keys.pop("rollout", {}))
+    check_split(rollout_devices, devices, processes, rollout_cfg.staleness, lora.on)
+    rollout_mesh = None
+    if rollout_devices:  # the sampler's mesh: the batch it draws is all it splits
+        rollout_mesh = check_mesh(
+            _typed("mesh.rollout", MeshConfig, rollout_axes),
+            split={"num_groups×group_size": batch},
+            sampler_threads=rollout_cfg.sampler_threads,
+            devices=rollout_devices,
+            num_experts={"model": model_cfg.num_experts} if model_cfg.num_moe_layers else {},
+            name="mesh.rollout",
+        )
+    mesh = check_mesh(
+        _typed("mesh", MeshConfig, mesh_keys),
         split=split,
-        sampler_threads=rollout_cfg.sampler_threads,
-        devices=jax.device_count() if device_count is None else device_count,
-        processes=jax.process_count() if device_count is None else 1,
-        num_experts={key: m.num_experts for key, m in experts if m.num_moe_layers},
+        sampler_threads=1 if rollout_devices else rollout_cfg.sampler_threads,
+        devices=devices - rollout_devices,
+        processes=processes,
+        num_experts=num_experts,
     )
     _check_lengths(config, task, model_cfg, loss_cfg)
     micro = resolve_microbatches(
@@ -307,6 +305,8 @@ def build(config: ml_collections.ConfigDict, device_count: int | None = None) ->
         optimizer=optimizer,
         warm_start=warm,
         mesh=mesh,
+        rollout_mesh=rollout_mesh,
+        rollout_devices=rollout_devices,
         critic=critic_cfg,
         critic_optimizer=critic_opt,
         plan=plan(train, loss_cfg, rollout_cfg, critic_cfg, micro, lora.on),
@@ -483,51 +483,3 @@ def _critic(
     keys = {f.name for f in dataclasses.fields(CriticConfig)} - {"model"}
     critic = _typed("critic", CriticConfig, {**{k: section[k] for k in keys if k in section}, "model": model})
     return critic, opt
-
-
-def _check_mesh(
-    mesh: MeshConfig,
-    *,
-    split: dict[str, int],
-    sampler_threads: int = 1,
-    devices: int,
-    processes: int = 1,
-    num_experts: dict[str, int],
-) -> MeshConfig:
-    """Axis sizes against the devices present (on several processes the mesh must cover them all), and
-    the data axes against every batch they split; returns the mesh with -1 resolved."""
-    sizes = mesh.axes()
-    for k, v in sizes.items():
-        check(is_int(v) and (v >= 1 or v == -1), "config", f"mesh.{k}", v, "an int >= 1, or -1 for the devices left")
-    check(list(sizes.values()).count(-1) <= 1, "config", "mesh", dict(sizes), "at most one axis may be -1")
-    n = devices
-    known = math.prod(v for v in sizes.values() if v != -1)
-    check(
-        known <= n and (-1 not in sizes.values() or n % known == 0),
-        "config",
-        "mesh",
-        dict(sizes),
-        f"there are {n} devices",
-    )
-    sizes = {k: (n // known if v == -1 else v) for k, v in sizes.items()}
-    on = math.prod(sizes.values())
-    allowed = f"1 on a mesh of {on} devices (threads split the batch on one device)"
-    check(sampler_threads <= 1 or on == 1, "config", "rollout.sampler_threads", sampler_threads, allowed)
-    data = MeshConfig(**sizes).data_size
-    for what, size in split.items():
-        check(size % data == 0, "config", "mesh", dict(sizes), f"data×fsdp×expert={data} must divide {what}={size}")
-    for key, n in num_experts.items():  # expert parallelism gives each expert shard E / expert of them
-        if sizes["expert"] > 1:
-            check(
-                n % sizes["expert"] == 0,
-                "config",
-                "mesh.expert",
-                sizes["expert"],
-                f"a divisor of {key}.num_experts={n}",
-            )
-    if processes > 1 and on != devices:
-        raise ConfigError(
-            f"config.mesh: {mesh.axes()} covers {on} of the {devices} devices of "
-            f"{processes} processes; a multi-process mesh must use them all (set one axis to -1)"
-        )
-    return MeshConfig(**sizes)

@@ -130,6 +130,11 @@ def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigD
         )
     )
     config.mesh = ml_collections.ConfigDict(dict(data=1, fsdp=1, expert=1, tensor=1))
+    # Sampling on devices of its own (`overlap.py`): the last `rollout_devices` devices become the sampler's
+    # mesh, with axes `mesh.rollout` (-1: what its other axes leave); the axes above then cover the rest,
+    # the trainer's. 0: one mesh for both. Needs rollout.staleness >= 1, so that the two can overlap.
+    config.mesh.rollout_devices = 0
+    config.mesh.rollout = ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1, tensor=1))
     config.tokenizer_path = ""  # a local tokenizer directory (e.g. a real model's); "" = the built-in one
     config.hf_checkpoint = ""  # a local Hugging Face checkpoint directory to start from; "" = random init
 

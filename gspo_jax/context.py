@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gspo_jax import built as built_lib
-from gspo_jax import checkpoint, compiles, staleness
+from gspo_jax import checkpoint, compiles, overlap, staleness
 from gspo_jax import model as model_lib
 from gspo_jax import programs as programs_lib
 from gspo_jax import sharding as sharding_lib
@@ -40,6 +40,9 @@ class RunContext:
     # LoRA: the base's model (LoRA off; what the warm start trains) and its identity (set by `start`)
     base_graphdef: nnx.GraphDef | None = None
     base: dict | None = None
+    # `mesh.rollout_devices`: the sampler's own mesh, and the rollout drawn there ahead of the update
+    sampler_mesh: jax.sharding.Mesh | None = None
+    ahead: overlap.RolloutAhead | None = None
 
     def start(self, params, restored: tuple[TrainState, staleness.PolicyLag] | None = None) -> TrainState:
         """The train state the run starts from, `restored` from a checkpoint or fresh from `params` (it
@@ -50,12 +53,32 @@ class RunContext:
         if self.built.plan.lora:
             return self._start_lora(params, restored)
         self.reference = params if self.built.plan.reference else None
+        shardings = self.lag_shardings()
         if restored is not None:
-            state, self.lag = restored
+            state, lag = restored
+            self.lag = lag if shardings is None else staleness.PolicyLag(lag.policies, shardings)
             return state
         state = programs_lib.init_train_state(self.programs, params, self.built.seed)
-        self.lag = staleness.PolicyLag.fresh(self.built.rollout.staleness, state.params)
+        self.lag = staleness.PolicyLag.fresh(self.built.rollout.staleness, state.params, shardings)
         return state
+
+    def lag_shardings(self):
+        """Where the lagged policies live: the sampler's mesh when it has its own, else (None) the
+        trainer's, beside the parameters."""
+        if self.sampler_mesh is None:
+            return None
+        return sharding_lib.param_shardings(self.sampler_mesh, self.programs.policy)
+
+    def on_trainer(self, params):
+        """`params` (a lagged policy) on the trainer's mesh, for its scoring: moved there from the
+        sampler's mesh when it has its own."""
+        if self.sampler_mesh is None:
+            return params
+        return jax.device_put(params, self.programs.state_shardings.params)
+
+    def prompts_state(self):
+        """The train prompt stream's position as a checkpoint records it: before a rollout drawn ahead."""
+        return self.prompts.state() if self.ahead is None else self.ahead.prompts_state()
 
     def _start_lora(self, params, restored) -> TrainState:
         base = programs_lib.as_base(self.programs, params)
@@ -86,16 +109,19 @@ def set_up(built: built_lib.Built, mesh: jax.sharding.Mesh | None = None) -> tup
     resolved axes unless given), the policy (`programs.init_policy`), its programs (the train step and
     drift compiling in the background), the rollout and the prompt stream. Under LoRA the parameters
     are the base's (the model with LoRA off): the programs and sampler take the adapted policy's shapes."""
+    sampler_mesh = None
     if mesh is None:
-        mesh = sharding_lib.make_mesh(**built.mesh.axes())
-        sharding_lib.warn_idle_devices(mesh)
+        mesh, sampler_mesh = overlap.meshes(built)
+        sharding_lib.warn_idle_devices(mesh, also=sampler_mesh)
     base_graphdef, params = programs_lib.init_policy(built, mesh)
     graphdef, policy = (base_graphdef, params) if not built.plan.lora else programs_lib.abstract_policy(built)
     programs = programs_lib.compile_programs(built, graphdef, policy, mesh)
     programs = programs_lib.compile_in_background(programs, built, policy)
-    rollout = make_rollout(built, graphdef, programs.policy if built.plan.lora else params, mesh)
+    rollout = make_rollout(built, graphdef, programs.policy if built.plan.lora else params, sampler_mesh or mesh)
     prompts = prompt_iterator(built.task, seed=built.seed, split="train")
     ctx = RunContext(built, mesh, graphdef, programs, rollout, prompts, base_graphdef=base_graphdef)
+    if sampler_mesh is not None:
+        ctx.sampler_mesh, ctx.ahead = sampler_mesh, overlap.RolloutAhead(rollout, prompts, mesh)
     return ctx, params
 
 

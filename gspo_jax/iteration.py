@@ -16,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from gspo_jax import metrics as metrics_lib
-from gspo_jax import mismatch, routing, staleness
+from gspo_jax import mismatch, overlap, routing, staleness
 from gspo_jax import model as model_lib
 from gspo_jax import optimizer as optimizer_lib
 from gspo_jax import sharding as sharding_lib
@@ -58,14 +58,14 @@ def rl_iteration(ctx: RunContext, state: TrainState, iteration: int) -> tuple[Tr
     is π_old, its routing drift to today's policy is logged (`stale_*`), and today's joins the lag
     before the update."""
     programs, train, lag = ctx.programs, ctx.built.train, ctx.lag
-    key = jax.random.fold_in(jax.random.wrap_key_data(state.rng), iteration)
+    key = _key(state, iteration)
     phases = Phases()
+    # Under LoRA the lag holds adapters: the behaviour policy is today's base with the lagged ones.
+    behaviour = state.policy if lag is None else state.with_adapters(lag.behaviour(state.params))
     with phases("rollout"):
-        # Under LoRA the lag holds adapters: the behaviour policy is today's base with the lagged ones.
-        behaviour = state.policy if lag is None else state.with_adapters(lag.behaviour(state.params))
-        batch, metrics = ctx.rollout(behaviour, ctx.prompts, jax.random.fold_in(key, 0))
-    with phases("logprob"):
-        full, mismatch_metrics = prepare_batch(ctx, behaviour, batch, ctx.reference_policy(state))
+        batch, metrics, drawn = _draw(ctx, behaviour, iteration, key)
+    with phases("logprob"):  # with a sampler mesh, π_old is scored with the trainer's own copy of it
+        full, mismatch_metrics = prepare_batch(ctx, ctx.on_trainer(behaviour), batch, ctx.reference_policy(state))
         metrics.update(mismatch_metrics)
         del behaviour  # the lag's oldest copy is freed once its work is done: k copies at most
         if programs.estimate is not None:  # PPO: the critic's values and GAE replace the group advantages
@@ -75,11 +75,7 @@ def rl_iteration(ctx: RunContext, state: TrainState, iteration: int) -> tuple[Tr
     drift_rows = np.arange(0, batch.tokens.shape[0], train.drift_subsample)
     with phases("drift"):
         if lag is not None and lag.k:
-            metrics.update(staleness=float(lag.k), policy_lag=float(staleness.policy_lag(lag.k, iteration)))
-            if train.drift_metrics:  # today's policy against the behaviour policy's routing, before the update
-                sub = full if train.drift_subsample == 1 else programs.take(full, drift_rows)
-                metrics.update(staleness.drift_to_log(programs.drift(state.policy, sub)))
-            lag.advance(state.params)
+            metrics.update(_lag_step(ctx, state, full, iteration, drift_rows))
     with phases("update"):
         router_before = [jnp.copy(x) for x in optimizer_lib.router_leaves(state.params)]  # the update donates them
         state, full, step_metrics = _updates(programs, train, state, full, key)
@@ -87,6 +83,8 @@ def rl_iteration(ctx: RunContext, state: TrainState, iteration: int) -> tuple[Tr
             metrics.update(mismatch.sampler_mismatch(batch, full.old_logp, full.topk))
         host = [jax.tree.map(_float64, s) for s in jax.device_get(step_metrics)]  # float64 from here
         metrics.update(metrics_lib.compute(functools.reduce(metrics_lib.merge, host)))
+    if ctx.ahead is not None:  # today's parameters start towards the sampler's mesh at once
+        lag.stage(state.params)
     if router_before:  # 0 exactly with `train.freeze_router`
         router_after = optimizer_lib.router_leaves(state.params)
         metrics["router_update_norm"] = float(optimizer_lib.distance(router_before, router_after))
@@ -101,7 +99,40 @@ def rl_iteration(ctx: RunContext, state: TrainState, iteration: int) -> tuple[Tr
             if (loads := routing.expert_loads(drift)) is not None:
                 metrics["expert_loads"] = loads  # not a scalar: the run writes it to routing.jsonl
     metrics.update(phases.metrics())
+    if ctx.ahead is not None:  # the sampler's own seconds, and how many of them the trainer did not wait for
+        metrics.update(overlap.timing(drawn, metrics))
     return state, metrics
+
+
+def _draw(ctx: RunContext, behaviour, iteration: int, key):
+    """The iteration's batch (on the trainer's mesh) and rollout metrics, and the `overlap.Drawn` when it
+    was drawn ahead during the last update (`ctx.ahead`), else drawn now with `behaviour`."""
+    drawn = None if ctx.ahead is None else ctx.ahead.take(iteration)
+    if drawn is not None:
+        return drawn.batch, drawn.metrics, drawn
+    batch, metrics = ctx.rollout(behaviour, ctx.prompts, jax.random.fold_in(key, 0))
+    return (batch if ctx.sampler_mesh is None else overlap.batch_to(batch, ctx.mesh)), metrics, None
+
+
+def _lag_step(ctx: RunContext, state: TrainState, full: TrainBatch, iteration: int, drift_rows) -> dict[str, float]:
+    """Staleness k > 0, before the update: the lag and the drift of today's policy against the batch's
+    behaviour policy (`stale_*`); then today's policy joins the lag, whose oldest is the next batch's
+    behaviour policy: with a sampler mesh that batch starts drawing now (`ctx.ahead`)."""
+    programs, train, lag = ctx.programs, ctx.built.train, ctx.lag
+    metrics = dict(staleness=float(lag.k), policy_lag=float(staleness.policy_lag(lag.k, iteration)))
+    if train.drift_metrics:
+        sub = full if train.drift_subsample == 1 else programs.take(full, drift_rows)
+        metrics.update(staleness.drift_to_log(programs.drift(state.policy, sub)))
+    lag.advance(state.params)
+    if ctx.ahead is not None and iteration + 1 < train.num_iterations:
+        next_key = jax.random.fold_in(_key(state, iteration + 1), 0)
+        ctx.ahead.start(iteration + 1, lag.behaviour(state.params), next_key)
+    return metrics
+
+
+def _key(state: TrainState, iteration: int):
+    """Iteration `iteration`'s key (its rollout draws from `fold_in(key, 0)`)."""
+    return jax.random.fold_in(jax.random.wrap_key_data(state.rng), iteration)
 
 
 def _float64(x):

@@ -71,12 +71,15 @@ def _run(built: built_lib.Built, workdir: Path, *, progress: bool, log_every: in
     evaluation = functools.partial(evaluate, ctx.rollout, seed=built.seed + 1, num_batches=train.eval_batches)
 
     def evaluate_and_log(step: int, params) -> dict[str, float]:  # the whole policy (`TrainState.policy`)
+        if ctx.ahead is not None:  # the sampler evaluates once the next batch, drawn ahead, is done
+            ctx.ahead.wait()
         metrics, samples = evaluation(params)
         writer.write_samples(step, samples)
         return metrics
 
     ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=train.keep_checkpoints, save_every=train.checkpoint_every)
-    with ckpt, MetricWriter(workdir) as writer, PreemptionGuard(sigint=True) as guard:
+    closing = contextlib.closing(ctx.ahead) if ctx.ahead is not None else contextlib.nullcontext()
+    with closing, ckpt, MetricWriter(workdir) as writer, PreemptionGuard(sigint=True) as guard:
         abstract = ctx.abstract_state()
         k = built.rollout.staleness  # its lagged policies are checkpointed beside the train state
         restored = resume(ckpt, staleness.abstract(abstract, k), ctx.prompts, with_meta=True)  # before any work
@@ -106,7 +109,7 @@ def _run(built: built_lib.Built, workdir: Path, *, progress: bool, log_every: in
                 writer.write_routing(it + 1, loads)
             writer.write(it + 1, metrics)  # before the save: a step is never checkpointed without its row
             last = metrics
-            meta = dict(iteration=it, prompts=ctx.prompts.state()) | ({"base": ctx.base} if ctx.base else {})
+            meta = dict(iteration=it, prompts=ctx.prompts_state()) | ({"base": ctx.base} if ctx.base else {})
             stop = multihost.any_process(guard.requested)  # a signal may reach only some hosts
             ckpt.save(it + 1, staleness.saved(state, ctx.lag), meta, force=stop or it + 1 == train.num_iterations)
             bar.update(metrics)

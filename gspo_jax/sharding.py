@@ -99,10 +99,10 @@ def mesh_from_config(data: int, fsdp: int, expert: int, tensor: int, devices=Non
     return make_mesh(**sizes, devices=devices)
 
 
-def warn_idle_devices(mesh: Mesh) -> list:
-    """Logs one warning line naming this process's devices that `mesh` leaves idle (a mesh smaller
-    than the machine runs, but on part of it); returns them."""
-    used = set(mesh.devices.flat)
+def warn_idle_devices(mesh: Mesh, also: Mesh | None = None) -> list:
+    """Logs one warning line naming this process's devices that `mesh` (and `also`, a second mesh of
+    the run's) leaves idle (a mesh smaller than the machine runs, but on part of it); returns them."""
+    used = set(mesh.devices.flat) | (set() if also is None else set(also.devices.flat))
     idle = [d for d in jax.local_devices() if d not in used]
     if idle:
         names = [f"{d.platform}:{d.id}" for d in idle]

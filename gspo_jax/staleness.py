@@ -29,14 +29,23 @@ class PolicyLag:
     and `behaviour` is today's policy. Under LoRA it holds the trainable adapters only (`state.params`):
     a lagged policy is the state's base with them (`TrainState.with_adapters`)."""
 
-    def __init__(self, policies: Sequence[Any]):
-        self._queue = collections.deque(policies)
+    def __init__(self, policies: Sequence[Any], shardings=None):
+        """`shardings`: where the copies live (the sampler's mesh, `mesh.rollout_devices`), else where
+        the parameters are; `policies` are moved there."""
+        self._shardings = shardings
+        moved = {id(p): _copy(p, shardings) for p in policies} if shardings is not None else {}
+        self._queue = collections.deque(moved.get(id(p), p) for p in policies)  # shared slots stay shared
+        self._staged = None  # today's parameters, already on their way to `shardings` (`stage`)
 
     @classmethod
-    def fresh(cls, k: int, params) -> PolicyLag:
+    def fresh(cls, k: int, params, shardings=None) -> PolicyLag:
         """A run's start: all k slots hold the starting parameters (one copy: `params` may be donated)."""
-        start = _copy(params) if k else None
-        return cls([start] * k)
+        start = _copy(params, shardings) if k else None
+        return cls([start] * k)._placed(shardings)
+
+    def _placed(self, shardings) -> PolicyLag:
+        self._shardings = shardings
+        return self
 
     @property
     def k(self) -> int:
@@ -56,7 +65,14 @@ class PolicyLag:
         oldest policy and keeps a copy of `current`, the next iteration's newest lagged one."""
         if self._queue:
             self._queue.popleft()
-            self._queue.append(_copy(current))
+            staged, self._staged = self._staged, None
+            self._queue.append(staged if staged is not None else _copy(current, self._shardings))
+
+    def stage(self, current) -> None:
+        """With copies on another mesh: starts moving `current` there as soon as the update has made it,
+        for the next `advance` (which is given those same parameters) to take."""
+        if self._queue and self._shardings is not None:
+            self._staged = _copy(current, self._shardings)
 
 
 def policy_lag(k: int, iteration: int) -> int:
@@ -65,9 +81,11 @@ def policy_lag(k: int, iteration: int) -> int:
     return min(k, iteration)
 
 
-def _copy(params):
-    """A copy of `params` on the same devices and shardings, its own buffers (the train step donates
-    the original)."""
+def _copy(params, shardings=None):
+    """A copy of `params` with its own buffers (the train step donates the original): on the same
+    devices and shardings, or moved to `shardings` (another mesh's devices: a copy by itself)."""
+    if shardings is not None:
+        return jax.device_put(params, shardings)
     return jax.tree.map(lambda x: jax.device_put(jnp.copy(x), x.sharding), params)
 
 

@@ -141,9 +141,22 @@ def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+# Keys added after workdirs were recorded without them, each with the value whose behaviour a run
+# without it had: such a run resumes when the key holds that value.
+ADDED_KEYS = {
+    "mesh.rollout_devices": 0,
+    "mesh.rollout.data": -1,
+    "mesh.rollout.fsdp": 1,
+    "mesh.rollout.expert": 1,
+    "mesh.rollout.tensor": 1,
+}
+
+
 def config_changes(recorded: dict, config: dict) -> list[str]:
-    """'key: old -> new' for every key (outside RESUMABLE_KEYS) whose value differs."""
+    """'key: old -> new' for every key (outside RESUMABLE_KEYS) whose value differs; a key of
+    `ADDED_KEYS` absent from `recorded` counts as its value there."""
     old, new = _flat(recorded), _flat(json.loads(json.dumps(config, default=_jsonable)))
+    old = {**{k: v for k, v in ADDED_KEYS.items() if k in new}, **old}
     keys = sorted((set(old) | set(new)) - set(RESUMABLE_KEYS))
     missing = object()
     return [

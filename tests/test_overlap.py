@@ -1,0 +1,139 @@
+"""Sampling and training at once on disjoint devices (`mesh.rollout_devices`, gspo_jax/overlap.py): the
+split is refused at build where it cannot work; the sampler's mesh gets the last devices; with the two
+meshes laid out as a one-mesh run's, a split run computes that run's metrics and parameters bitwise
+while iteration i + 1's rollout runs on its own thread during iteration i's update, and it resumes
+bitwise from a checkpoint taken while a rollout was in flight."""
+
+import json
+import threading
+
+import jax
+import numpy as np
+import pytest
+from test_train import _metrics, _sigterm_after, small
+
+from gspo_jax import overlap, snapshots
+from gspo_jax import rollout as rollout_lib
+from gspo_jax import run as run_lib
+from gspo_jax import workdir as workdir_lib
+from gspo_jax.built import build
+from gspo_jax.config import as_json, base_config
+from gspo_jax.validation import ConfigError
+
+
+def _split(c, devices: int = 4):
+    c.mesh.update(data=4)
+    c.mesh.rollout_devices = devices
+    c.rollout.staleness = 1
+    return c
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        (dict(rollout_devices=8), ("mesh.rollout_devices", "[0, 8)", "the trainer keeps a device")),
+        (dict(rollout_devices=-1), ("mesh.rollout_devices", "[0, 8)")),
+        (dict(rollout_devices="4"), ("mesh.rollout_devices", "an int")),
+        (dict(staleness=0), ("mesh.rollout_devices", "rollout.staleness=0", "never overlap")),
+        (dict(rollout_devices=3), ("config.mesh.rollout", "data×fsdp×expert=3 must divide num_groups×group_size")),
+        (dict(rollout_expert=8, rollout_devices=2), ("config.mesh.rollout", "there are 2 devices for it")),
+        (dict(lora=4), ("mesh.rollout_devices", "LoRA")),
+    ],
+)
+def test_a_split_that_cannot_work_is_refused_at_build_in_one_line(change, words):
+    c = _split(base_config("gspo", "tiny"))
+    with c.ignore_type():
+        if "rollout_devices" in change:
+            c.mesh.rollout_devices = change["rollout_devices"]
+        if "staleness" in change:
+            c.rollout.staleness = change["staleness"]
+        if "rollout_expert" in change:
+            c.mesh.rollout.expert = change["rollout_expert"]
+        if "lora" in change:
+            c.lora.rank = change["lora"]
+    with pytest.raises(ConfigError) as e:
+        build(c, device_count=8)
+    assert all(w in str(e.value) for w in words) and "\n" not in str(e.value), str(e.value)
+
+
+def test_the_trainer_takes_the_first_devices_and_the_sampler_the_last_by_their_own_axes():
+    c = _split(base_config("gspo", "tiny"))
+    c.mesh.update(data=2, fsdp=2)
+    c.mesh.rollout.update(data=2, tensor=2)
+    built = build(c, device_count=8)
+    assert built.mesh.axes() == dict(data=2, fsdp=2, expert=1, tensor=1)
+    assert built.rollout_mesh.axes() == dict(data=2, fsdp=1, expert=1, tensor=2)
+    trainer, sampler = overlap.meshes(built)
+    devices = jax.devices()
+    assert list(trainer.devices.flat) == devices[:4] and list(sampler.devices.flat) == devices[4:]
+    assert dict(sampler.shape) == dict(data=2, fsdp=1, expert=1, tensor=2)
+    c.mesh.rollout_devices = 0  # one mesh: the sampler's axes are not read
+    assert build(c, device_count=8).rollout_mesh is None and overlap.meshes(build(c, device_count=8))[1] is None
+
+
+def _spy_rollouts(monkeypatch, seen: list):
+    """Records, per rollout of the train stream, the thread it ran on and the devices of its policy."""
+    call = rollout_lib.Rollout.__call__
+
+    def spied(self, params, *args):
+        devices = {d.id for x in jax.tree.leaves(params) for d in x.devices()}
+        seen.append((threading.current_thread().name, devices))
+        return call(self, params, *args)
+
+    monkeypatch.setattr(rollout_lib.Rollout, "__call__", spied)
+
+
+def _compared(rows: list[dict]) -> list[dict]:
+    timed = lambda k: k.endswith("_seconds") or k in ("time", "xla_compiles")
+    return [{k: v for k, v in r.items() if not timed(k)} for r in rows]
+
+
+@pytest.mark.slow
+def test_a_split_run_equals_the_one_mesh_run_overlaps_and_resumes_bitwise(tmp_path, monkeypatch):
+    """Staleness 1, four iterations. One mesh: data=4 on devices 0-3 (4-7 idle). Split: the same trainer
+    mesh, and a sampler mesh data=4 on devices 4-7. Every metric but the times, and the final
+    parameters, are equal bitwise; iterations 1-3 drew their batch on the rollout thread with a policy
+    on the sampler's devices; the split run's own timing keys are logged; stopped after iteration 1
+    (its next batch in flight) and resumed, the split run ends where the uninterrupted one does."""
+    c = small("gspo")
+    c.warm_start.steps = 0  # the aux losses alone move the policy: tiny rewards are all 0 at first
+    c.train.update(learning_rate=1e-2, eval_every=2, num_iterations=4)
+    c.rollout.staleness = 1
+    c.mesh.update(data=4)
+    run_lib.train_and_evaluate(build(c), tmp_path / "one", progress=False)
+    one = _metrics(tmp_path / "one")
+
+    c.mesh.rollout_devices = 4
+    seen = []
+    with monkeypatch.context() as m:
+        _spy_rollouts(m, seen)
+        run_lib.train_and_evaluate(build(c), tmp_path / "split", progress=False)
+    split = _metrics(tmp_path / "split")
+    assert _compared(split) == _compared(one)
+    assert split[-1]["drift_jaccard"] < 1.0 and split[-1]["stale_router_flip_rate"] > 0  # the policy moved
+    sampler = {d.id for d in jax.devices()[4:]}
+    assert [thread.startswith("rollout-ahead") for thread, _ in seen] == [False, True, True, True]
+    assert all(devices == sampler for _, devices in seen[1:])  # the lag lives on the sampler's mesh
+    for r in split[1:]:
+        assert r["sampler_busy_seconds"] > 0 and r["trainer_busy_seconds"] > 0
+        assert 0 <= r["overlap_seconds"] <= r["sampler_busy_seconds"] and r["rollout_wait_seconds"] >= 0
+    assert split[1]["overlap_seconds"] == 0  # the first batch is drawn in its own iteration
+
+    with monkeypatch.context() as m, pytest.raises(run_lib.StoppedEarly):
+        _sigterm_after(m, 1)  # iteration 2's batch is in flight when the checkpoint is taken
+        run_lib.train_and_evaluate(build(c), tmp_path / "resumed", progress=False)
+    run_lib.train_and_evaluate(build(c), tmp_path / "resumed", progress=False)
+    assert _compared(_metrics(tmp_path / "resumed")) == _compared(split)
+    final = [jax.tree.leaves(snapshots.load_params(snapshots.open_run(tmp_path / n), 4)) for n in ("one", "resumed")]
+    assert all(np.array_equal(a, b) for a, b in zip(*final, strict=True))
+
+
+def test_a_workdir_recorded_before_the_split_keys_existed_resumes_as_one_mesh_only():
+    """A run recorded without `mesh.rollout_devices` / `mesh.rollout` ran on one mesh: the same config
+    today is no change, a split one is."""
+    c = base_config("gspo", "tiny")
+    recorded = json.loads(as_json(c))
+    del recorded["mesh"]["rollout_devices"], recorded["mesh"]["rollout"]
+    assert workdir_lib.config_changes(recorded, json.loads(as_json(c))) == []
+    c.mesh.rollout_devices = 4
+    assert workdir_lib.config_changes(recorded, json.loads(as_json(c))) == ["mesh.rollout_devices: 0 -> 4"]
