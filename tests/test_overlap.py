@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 from test_train import _metrics, _sigterm_after, small
 
+from benchmarks.run import overlap as overlap_bench
 from gspo_jax import overlap, snapshots
 from gspo_jax import rollout as rollout_lib
 from gspo_jax import run as run_lib
@@ -118,6 +119,10 @@ def test_a_split_run_equals_the_one_mesh_run_overlaps_and_resumes_bitwise(tmp_pa
         assert r["sampler_busy_seconds"] > 0 and r["trainer_busy_seconds"] > 0
         assert 0 <= r["overlap_seconds"] <= r["sampler_busy_seconds"] and r["rollout_wait_seconds"] >= 0
     assert split[1]["overlap_seconds"] == 0  # the first batch is drawn in its own iteration
+    r = overlap_bench.summary(one, split, devices=8, sampler_devices=4)  # `benchmarks.run --only overlap`'s figures
+    assert all(r[run][k] > 0 for run in ("one_mesh", "split") for k in ("iteration_seconds", "trainer_seconds"))
+    assert r["split"]["overlap_seconds"] >= 0 and "overlap_seconds" not in r["one_mesh"]
+    assert r["split_vs_one_mesh"] == r["split"]["iteration_seconds"] / r["one_mesh"]["iteration_seconds"]
 
     with monkeypatch.context() as m, pytest.raises(run_lib.StoppedEarly):
         _sigterm_after(m, 1)  # iteration 2's batch is in flight when the checkpoint is taken

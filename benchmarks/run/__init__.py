@@ -36,6 +36,9 @@ Sections:
              iteration with the compilation cache filled against a warm one (real dims at
              --real-layers on an accelerator, the tiny shape with --size tiny)
   race       (accelerators) one iteration of the race shape (`benchmarks/trl_race.py` runs TRL's)
+  overlap    (--only overlap; two or more devices, or two fake CPU devices in a child process) the
+             `iteration` shape at staleness 1 on one mesh over every device, then split in halves
+             (`mesh.rollout_devices`): the iteration against the rollout and the trainer's work
 
 On a GPU or TPU the default is real, loop and race, written to benchmarks/results-<device>.json
 (-<N>layers at another --real-layers) with the device, versions, command and commit. It ends with a

@@ -30,6 +30,7 @@ from benchmarks.run.dispatch import moe_dispatch, moe_expert_parallel  # noqa: E
 from benchmarks.run.iterations import iteration, iteration_scaling, race_iteration  # noqa: E402
 from benchmarks.run.loop import loop_figures, print_loop  # noqa: E402
 from benchmarks.run.machine import machine, peak, refuse_unoptimised  # noqa: E402
+from benchmarks.run.overlap import overlap_figures, print_overlap  # noqa: E402
 from benchmarks.run.sampler import sampler_throughput  # noqa: E402
 from benchmarks.run.shapes import iteration_config  # noqa: E402
 from benchmarks.run.step import loss_share, train_mfu  # noqa: E402
@@ -201,6 +202,12 @@ def _layers(results: dict) -> int:
     return results.get("real_layers", accelerator.REAL_LAYERS)
 
 
+def overlap_section(tiny: bool, repeats: int, results: dict) -> dict:
+    r = overlap_figures(tiny, repeats)
+    print_overlap(r)
+    return r
+
+
 def real_section(tiny: bool, repeats: int, results: dict) -> dict:
     """The real-dims train and decode steps at `--real-layers` layers (`accelerator`); compile-only
     memory on a CPU."""
@@ -276,11 +283,14 @@ SECTIONS: dict[str, Callable[[bool, int, dict], dict]] = {  # a CPU's run order
     "scaling": scaling_section,
     "diagnostics": diagnostics_section,
     "critic": critic_section,
+    "overlap": overlap_section,
     "real": real_section,
     "race": race_section,
 }
 ACCELERATOR_SECTIONS = ("real", "loop", "race")  # what runs by default on a GPU or TPU, and first
-CPU_SKIPS = ("real", "race")  # left out of a CPU's default run (`real` compiles only there; --only runs it)
+# Left out of a CPU's default run (`real` compiles only there; `overlap`'s fake devices share the cores, so
+# it shows the split's bookkeeping, not an overlap); --only runs them.
+CPU_SKIPS = ("real", "race", "overlap")
 
 
 def main():
