@@ -354,3 +354,31 @@ def test_dynamic_sampling_at_equal_rollouts_names_the_filter_or_the_sampling(mor
     acc = lambda arm, seed: 0.5 + lift.get(arm, 0.0) + jitter(arm, seed)  # noqa: E731
     text, verdict = study._dapo_sampling(SweepGrid({study.SAMPLING: acc}))
     assert verdict == want and "Dynamic sampling at equal rollouts (`dapo_sampling`, 5 seeds)" in text
+
+
+@pytest.mark.parametrize(
+    "cost, want",
+    [
+        (0.0, "GRPO k=1 costs nothing (within ±3); GRPO k=2 costs nothing (within ±3)"),
+        (-0.1, "GRPO k=1 costs (below 0); GRPO k=2 costs (below 0)"),
+    ],
+)
+def test_the_staleness_row_pairs_each_lag_with_k0_and_applies_the_margin(cost, want):
+    """k = 4 is reported, not judged; GSPO's lags here cost a wide, unsettled amount."""
+    assert {r.arm for r in sweeps.load_sweep(ROOT / "configs/sweeps/staleness.py", ROOT).runs} == {
+        f"{a}-staleness={k}" for a in ("grpo", "gspo") for k in (0, 1, 2, 4)
+    }
+
+    def acc(arm, seed):
+        lag = int(arm.rsplit("=", 1)[1])
+        if arm.startswith("grpo"):
+            return 0.6 + (cost if lag else 0.0) + jitter(arm, seed) * (lag == 0)
+        return 0.6 + (0.2 * (seed - 2) if lag else 0.0)
+
+    here, verdict, limits = study._staleness(SweepGrid({study.STALENESS: acc}))
+    assert verdict.startswith(want + "; GSPO k=1 not settled (±") and "k=4" not in verdict
+    want_k1 = analysis.interval([cost - jitter("grpo-staleness=0", s) for s in range(5)])
+    assert f"GRPO k=1 − k=0 {want_k1.text()}; GRPO k=2" in here and "GSPO k=4 − k=0" in here
+    assert limits.startswith("5 seeds, which resolve paired differences beyond ±")
+    _, pending, _ = study._staleness(SweepGrid({study.STALENESS: acc}, seeds=range(2)))
+    assert pending == "Pending: the staleness sweep has 2 of 5 seeds"

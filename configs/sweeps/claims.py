@@ -628,6 +628,49 @@ def _lora_drift(res: Results) -> tuple[str, str, str]:
     return here, verdict, limits
 
 
+STALENESS = "staleness"  # configs/sweeps/staleness.py: the main job at k = 0, 1, 2, 4 policy versions behind
+STALENESS_SEEDS = 5  # pre-registered
+STALENESS_MARGIN = 0.03  # the equivalence margin stated in its ANALYSIS: +-3 points of final sampled accuracy
+LAGS = (1, 2, 4)
+
+
+def _staleness_arm(algorithm: str, k: int) -> str:
+    return f"{algorithm}-staleness={k}"
+
+
+def _costs(d: Interval) -> str:
+    """The sweep's rule: within the margin, wholly below 0, or neither (with the interval's half-width)."""
+    if d.lo >= -STALENESS_MARGIN and d.hi <= STALENESS_MARGIN:
+        return "costs nothing (within ±3)"
+    if d.hi < 0:
+        return "costs (below 0)"
+    return f"not settled (±{100 * (d.hi - d.lo) / 2:.1f})"
+
+
+def _staleness(res: Results) -> tuple[str, str, str]:
+    arms = [_staleness_arm(a, k) for a in ("grpo", "gspo") for k in (0, *LAGS)]
+    k, h = shared_seeds(res.arms(STALENESS), arms)
+    verdict = f"Pending: the staleness sweep has {k} of {STALENESS_SEEDS} seeds"
+    if not k:
+        return "", verdict, ""
+    d = {
+        (a, lag): paired(final(h[_staleness_arm(a, lag)]), final(h[_staleness_arm(a, 0)]))
+        for a in ("grpo", "gspo")
+        for lag in LAGS
+    }
+    flips = {key: run_means(h[_staleness_arm(*key)], "stale_router_flip_rate") for key in d}
+    flipped = lambda key: f" (stale router flips {span(flips[key])})" if flips[key] else ""  # noqa: E731
+    here = "; ".join(f"{a.upper()} k={lag} − k=0 {d[a, lag].text()}{flipped((a, lag))}" for a, lag in d)
+    if k >= STALENESS_SEEDS:
+        verdict = "; ".join(f"{a.upper()} k={lag} {_costs(d[a, lag])}" for a, lag in d if lag <= 2)
+    limits = (
+        f"{k} seeds, which resolve paired differences beyond ±{widths(list(d.values()))} points (the margin is ±3); "
+        "the main job (3 MoE layers × 8 experts, ~8-token completions, 150 iterations); one mesh: the lag's "
+        "off-policyness, not an asynchronous trainer's timing"
+    )
+    return here, verdict, limits
+
+
 CLAIMS = (
     Claim(
         "One update changes ~10% of the experts a token is routed to",
@@ -687,6 +730,12 @@ CLAIMS = (
     ),
     Claim(
         "Each DAPO ingredient adds to the last (30 → 36 → 38 → 42 → 50)", "DAPO", _dapo, (DAPO, "dapo_ladder", SAMPLING)
+    ),
+    Claim(
+        "Bounded staleness of 1–2 policy versions costs nothing",
+        "AReaL, PipelineRL",
+        _staleness,
+        (STALENESS,),
     ),
     Claim(
         "LoRA RL at rank 1 matches full fine-tuning (when the experts get adapters; attention-only falls short)",
