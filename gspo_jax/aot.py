@@ -59,10 +59,14 @@ class Row:
     # chunks); a ratio well above 1 there means chips repeat each other's work.
     xla_flops_per_chip: float = 0.0
     chips: int = 1
+    # Parameter copies the program's chips hold beside its arguments: on a sampler mesh of its own
+    # (`mesh.rollout_devices`), the lagged policies of `rollout.staleness` (k: the one sampled with is
+    # an argument, the next one arrives as the oldest leaves).
+    resident_bytes: int = 0
 
     @property
     def total_bytes(self) -> int:
-        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes
+        return self.argument_bytes + self.output_bytes - self.alias_bytes + self.temp_bytes + self.resident_bytes
 
     @property
     def hbm_fraction(self) -> float:
@@ -101,11 +105,11 @@ def _shard_bytes(args) -> int:
     return sum(math.prod(x.sharding.shard_shape(x.shape)) * x.dtype.itemsize for x in leaves)
 
 
-def _row(program, mesh, shape, lower, args, hbm, flops_, peak, chips) -> Row:
+def _row(program, mesh, shape, lower, args, hbm, flops_, peak, chips, resident=0) -> Row:
     t0 = time.perf_counter()
     common = dict(program=program, mesh=mesh, shape=shape, hbm_bytes=int(hbm * GIB), flops=flops_)
     common["seconds_at_mfu"] = flops_ / (MFU * peak * chips)
-    common["chips"] = chips
+    common.update(chips=chips, resident_bytes=resident)
     try:
         compiled = lower(*args).compile()
         m = compiled.memory_analysis()
@@ -168,9 +172,12 @@ def compile_report(config, topology: str, programs: tuple[str, ...] = PROGRAMS) 
     devices = topology_devices(topology)
     built = built_lib.build(config, device_count=len(devices))
     hbm, peak = CHIPS[topology.split(":", 1)[0]]
-    chips = (peak, len(devices))
-    mesh = sharding_lib.make_mesh(**built.mesh.axes(), devices=devices)
-    mesh_s = "×".join(f"{k}={v}" for k, v in mesh.shape.items() if v != 1) or "1"
+    # With a sampler of its own (`mesh.rollout_devices`) the trainer's programs compile for the first
+    # devices and the sampler for the last, as `overlap.meshes` splits them.
+    cut = len(devices) - built.rollout_devices
+    chips = (peak, cut)
+    mesh = sharding_lib.make_mesh(**built.mesh.axes(), devices=devices[:cut])
+    mesh_s = ("trainer " if cut < len(devices) else "") + _mesh_name(mesh)
     cfg = built.model
     graphdef, abstract = model_lib.abstract_model(cfg)
     param_sh = sharding_lib.param_shardings(mesh, abstract)
@@ -195,10 +202,23 @@ def compile_report(config, topology: str, programs: tuple[str, ...] = PROGRAMS) 
         work = flops.forward_flops(cfg, B, T)
         rows.append(_row("score", mesh_s, f"{B} × {T}", progs.score.lower, (params, tokens, tokens), hbm, work, *chips))
     if "sample" in programs:
-        sampler = Sampler(graphdef, cfg, B, P, C, mesh=mesh, state=params)
         shape, work = f"{B} × {P}+{C}", flops.sample_flops(cfg, B, P, C)
-        rows.append(_row("sample", mesh_s, shape, sampler.lower, (params,), hbm, work, *chips))
+        if built.rollout_mesh is None:
+            sampler = Sampler(graphdef, cfg, B, P, C, mesh=mesh, state=params)
+            rows.append(_row("sample", mesh_s, shape, sampler.lower, (params,), hbm, work, *chips))
+        else:
+            smesh = sharding_lib.make_mesh(**built.rollout_mesh.axes(), devices=devices[cut:])
+            sparams = sharding_lib.abstract(abstract, sharding_lib.param_shardings(smesh, abstract))
+            sampler = Sampler(graphdef, cfg, B, P, C, mesh=smesh, state=sparams)
+            lagged = built.rollout.staleness * _shard_bytes(sparams)
+            args = (hbm, work, peak, built.rollout_devices, lagged)
+            rows.append(_row("sample", "sampler " + _mesh_name(smesh), shape, sampler.lower, (sparams,), *args))
     return rows
+
+
+def _mesh_name(mesh) -> str:
+    """The mesh's axes larger than 1, e.g. "fsdp=4×expert=8" ("1" for one device)."""
+    return "×".join(f"{k}={v}" for k, v in mesh.shape.items() if v != 1) or "1"
 
 
 def format_report(rows: list[Row], topology: str, microbatches: int, remat: str) -> str:
@@ -214,7 +234,8 @@ def format_report(rows: list[Row], topology: str, microbatches: int, remat: str)
         lines.append(
             f"| {topology} | {r.mesh} | {r.program} | {r.shape} | {microbatches if r.program == 'train_step' else '-'} "
             f"| {remat} | {gib(r.argument_bytes)} | {gib(r.output_bytes - r.alias_bytes)} | {gib(r.temp_bytes)} "
-            f"| {gib(r.total_bytes)} | {r.hbm_fraction:.0%} of {gib(r.hbm_bytes)} | {fits} "
+            f"| {gib(r.total_bytes)}{f' (lag {gib(r.resident_bytes)})' if r.resident_bytes else ''} "
+            f"| {r.hbm_fraction:.0%} of {gib(r.hbm_bytes)} | {fits} "
             f"| {r.compile_seconds:.1f} | {r.flops / 1e12:.3g} | {r.seconds_at_mfu:.3g} "
             f"| {f'{r.xla_flops_per_chip * r.chips / r.flops:.2f}' if r.flops and r.xla_flops_per_chip else '-'} |"
         )

@@ -90,9 +90,15 @@ def param(
     return kind(init(getattr(rngs, stream)(), shape, dtype), out_sharding=axes, eager_sharding=False)
 
 
-def mesh_from_config(data: int, fsdp: int, expert: int, tensor: int, devices=None) -> Mesh:
-    """`make_mesh` where one axis may be -1: it takes whatever devices the others leave."""
+def mesh_from_config(
+    data: int, fsdp: int, expert: int, tensor: int, devices=None, rollout_devices: int = 0, rollout=None
+) -> Mesh:
+    """`make_mesh` where one axis may be -1: it takes whatever devices the others leave. Given a whole
+    `config.mesh` section (`**config.mesh`), the trainer's mesh: with `rollout_devices` the last ones
+    are the sampler's (`overlap.meshes`; its axes, `rollout`, are not read here)."""
+    del rollout
     devices = list(jax.devices() if devices is None else devices)
+    devices = devices[: len(devices) - rollout_devices]
     sizes = dict(data=data, fsdp=fsdp, expert=expert, tensor=tensor)
     known = math.prod(v for v in sizes.values() if v != -1)
     sizes = {k: (len(devices) // max(known, 1) if v == -1 else v) for k, v in sizes.items()}
