@@ -13,6 +13,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 
+from gspo_jax import passk
 from gspo_jax.rollout import Rollout
 from gspo_jax.tasks import prompt_iterator
 
@@ -43,3 +44,44 @@ def evaluate(rollout: Rollout, params, *, seed: int, num_batches: int) -> tuple[
             samples.append({"prompt": examples[row].prompt, "completion": text, "reward": float(g.raw[row])})
     metrics = {"eval_accuracy": float(np.mean(greedy)), "eval_accuracy_sampled": float(np.mean(sampled))}
     return metrics, samples
+
+
+def sample_n(
+    rollout: Rollout,
+    params,
+    *,
+    split: str,
+    num_prompts: int,
+    temperature: float,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    seed: int = 0,
+    progress: bool = True,
+) -> dict:
+    """`scripts/evaluate.py`'s numbers: n completions (the rollout's group size) of each of `num_prompts`
+    prompts of the task's `split` at `temperature`, and the greedy one, scored: greedy accuracy, avg@n,
+    pass@k and maj@k (`passk`), the mean completion length and the truncation rate of the samples. The
+    prompts and every draw's key come from `seed` alone. One process (each holds the rows it samples)."""
+    from tqdm.auto import tqdm
+
+    n, per = rollout.cfg.group_size, rollout.cfg.num_groups  # a sampler call: `per` prompts × n samples
+    prompts = prompt_iterator(rollout.task, seed=seed, split=split)
+    right, answers, greedy, lengths, truncated = [], [], [], [], []
+    calls = -(-num_prompts // per)
+    for i in tqdm(range(calls), desc=f"evaluate {num_prompts} prompts × {n}", unit="batch", disable=not progress):
+        examples = prompts.next_batch(per)
+        keep = min(per, num_prompts - i * per)  # the last call's extra prompts are drawn, not counted
+        key = jax.random.fold_in(jax.random.key(seed), i)
+        s = rollout.sample(params, examples, n, key, temperature=temperature, top_k=top_k, top_p=top_p)
+        g = rollout.sample(params, examples, n, key, temperature=0.0)  # n alike: the first of each is kept
+        right.append((s.raw == 1.0).reshape(per, n)[:keep])
+        answers += [[rollout.task.extract_answer(t) for t in s.texts[p * n : (p + 1) * n]] for p in range(keep)]
+        greedy.append((g.raw == 1.0).reshape(per, -1)[:keep, 0])
+        lengths.append(s.lengths.reshape(per, n)[:keep])
+        truncated.append(s.truncated.reshape(per, n)[:keep])
+    right_PN = np.concatenate(right)
+    out = {"greedy_accuracy": float(np.concatenate(greedy).mean())}
+    out.update(passk.summarize(right_PN, answers, passk.default_ks(n)))
+    out["mean_completion_length"] = float(np.concatenate(lengths).mean())
+    out["truncation_rate"] = float(np.concatenate(truncated).mean())
+    return out

@@ -80,7 +80,7 @@ def _with_defaults(recorded: dict) -> dict:
     return merge(base, recorded)
 
 
-def _build_here(config: ml_collections.ConfigDict) -> built_lib.Built:
+def build_here(config: ml_collections.ConfigDict) -> built_lib.Built:
     """`built_lib.build` with the mesh of this process's one device: the run's own mesh may need
     devices this machine lacks, and snapshots are read onto one device."""
     local = ml_collections.ConfigDict(config.to_dict())
@@ -99,7 +99,7 @@ def open_run(workdir: str | os.PathLike, adapters: bool = False) -> Run:
         raise ConfigError(f"{workdir} is not a run's workdir: it has no {CONFIG_FILE}")
     config = ml_collections.ConfigDict(_as_tuples(_with_defaults(json.loads(path.read_text()))))
     try:
-        built = _build_here(config)
+        built = build_here(config)
     except ConfigError as e:
         raise ConfigError(f"{path} does not describe a run this code can read: {e}") from None
     if built.plan.lora and not adapters:  # the policy needs the base rebuilt: not supported yet
@@ -282,7 +282,7 @@ def make_probe(
     temperature = float(rollout.temperature if temperature is None else temperature)
     if num_prompts < 1 or batch_size < 1 or temperature < 0:
         raise ConfigError(f"make_probe: num_prompts={num_prompts}, batch_size={batch_size} >= 1, temperature >= 0")
-    built = _build_here(c)
+    built = build_here(c)
     tokenizer = load_tokenizer(c.tokenizer_path or None)
     examples = prompt_iterator(built.task, seed=seed, split="eval").next_batch(num_prompts)
     B = min(batch_size, num_prompts)
