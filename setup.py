@@ -4,6 +4,8 @@ from pathlib import Path
 
 from setuptools import find_packages, setup
 
+TRACKERS = ["wandb>=0.31.0", "mlflow-skinny>=3.17.2", "sqlalchemy>=2.1.9", "alembic>=1.20.1"]
+
 setup(
     name="gspo_jax",
     version="0.1.0",
@@ -35,7 +37,9 @@ setup(
         "numpy>=2.0",
     ],
     extras_require={
-        "dev": ["pytest>=9.0", "pytest-xdist>=3.8", "hypothesis>=6.155", "ruff>=0.17.6"],
+        # Weights & Biases and MLflow (with the SQLite store), beside JSONL and TensorBoard: gspo_jax/trackers.py
+        "trackers": TRACKERS,
+        "dev": ["pytest>=9.0", "pytest-xdist>=3.8", "hypothesis>=6.155", "ruff>=0.17.6", *TRACKERS],
         "tpu": ["jax[tpu]>=0.10.2"],
     },
 )

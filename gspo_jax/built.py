@@ -28,6 +28,7 @@ from gspo_jax.model_config import CONFIG_KEYS, ModelConfig
 from gspo_jax.optimizer import OptimizerConfig
 from gspo_jax.rollout import RolloutConfig
 from gspo_jax.tasks import TASKS, check_fields, check_splits, load_tokenizer, make_task
+from gspo_jax.trackers import LoggingConfig, logging_config
 from gspo_jax.validation import ConfigError, check, check_choice, check_int
 
 OLD_LOGP_SOURCES = ("sampler", "trainer")
@@ -186,6 +187,7 @@ class Built:
     hf_checkpoint: str  # "": a random init from `seed`
     tokenizer_path: str  # "": the built-in tokenizer
     cpu_fast_compile: bool  # XLA:CPU's fast-compile code generation for the step programs
+    logging: LoggingConfig  # the trackers the run logs to besides its workdir (`trackers.py`)
     config_json: str  # the config built from (`as_json`): a workdir's config.json, what a resume must match
     warm_start_key: str  # the warm start's cache name (`warm_start_key`): runs that share it share the cache
 
@@ -313,6 +315,7 @@ def build(config: ml_collections.ConfigDict, device_count: int | None = None) ->
         hf_checkpoint=config.hf_checkpoint,
         tokenizer_path=config.tokenizer_path,
         cpu_fast_compile=config.cpu_fast_compile,
+        logging=logging_config(config.get("logging", {})),
         config_json=as_json(config),
         warm_start_key=warm_start_key(config),
     )

@@ -135,6 +135,18 @@ def base_config(algorithm: str, size: str = "default") -> ml_collections.ConfigD
     # the trainer's. 0: one mesh for both. Needs rollout.staleness >= 1, so that the two can overlap.
     config.mesh.rollout_devices = 0
     config.mesh.rollout = ml_collections.ConfigDict(dict(data=-1, fsdp=1, expert=1, tensor=1))
+    # Trackers beside JSONL and TensorBoard (`gspo_jax/trackers.py`; "" turns one off), and what a sweep's
+    # run is (its group and arm, set by the sweep runner). Never part of what trains: a run resumes with
+    # them changed.
+    config.logging = ml_collections.ConfigDict(
+        dict(
+            group="",
+            arm="",
+            tags="",  # comma-separated
+            wandb=ml_collections.ConfigDict(dict(project="", entity="", name="", mode="online")),
+            mlflow=ml_collections.ConfigDict(dict(tracking_uri="", experiment="gspo_jax", run_name="")),
+        )
+    )
     config.tokenizer_path = ""  # a local tokenizer directory (e.g. a real model's); "" = the built-in one
     config.hf_checkpoint = ""  # a local Hugging Face checkpoint directory to start from; "" = random init
 

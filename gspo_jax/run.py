@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 
 from gspo_jax import built as built_lib
-from gspo_jax import context, multihost, plots, staleness
+from gspo_jax import context, multihost, plots, staleness, trackers
 from gspo_jax import iteration as iteration_lib
 from gspo_jax import workdir as workdir_lib
 from gspo_jax.checkpoint import Checkpointer, PreemptionGuard, check_base, resume
@@ -79,7 +79,8 @@ def _run(built: built_lib.Built, workdir: Path, *, progress: bool, log_every: in
 
     ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=train.keep_checkpoints, save_every=train.checkpoint_every)
     closing = contextlib.closing(ctx.ahead) if ctx.ahead is not None else contextlib.nullcontext()
-    with closing, ckpt, MetricWriter(workdir) as writer, PreemptionGuard(sigint=True) as guard:
+    tracked = trackers.open_trackers(built.logging, workdir, built.config_json, built.seed) if is_main else []
+    with closing, ckpt, MetricWriter(workdir, trackers=tracked) as writer, PreemptionGuard(sigint=True) as guard:
         abstract = ctx.abstract_state()
         k = built.rollout.staleness  # its lagged policies are checkpointed beside the train state
         restored = resume(ckpt, staleness.abstract(abstract, k), ctx.prompts, with_meta=True)  # before any work

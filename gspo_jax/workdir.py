@@ -141,6 +141,8 @@ def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
     return out
 
 
+RESUMABLE_PREFIXES = ("logging.",)  # where a run is tracked, never what it trains
+
 # Keys added after workdirs were recorded without them, each with the value whose behaviour a run
 # without it had: such a run resumes when the key holds that value.
 ADDED_KEYS = {
@@ -153,11 +155,11 @@ ADDED_KEYS = {
 
 
 def config_changes(recorded: dict, config: dict) -> list[str]:
-    """'key: old -> new' for every key (outside RESUMABLE_KEYS) whose value differs; a key of
+    """'key: old -> new' for every key (outside RESUMABLE_KEYS and _PREFIXES) whose value differs; a key of
     `ADDED_KEYS` absent from `recorded` counts as its value there."""
     old, new = _flat(recorded), _flat(json.loads(json.dumps(config, default=_jsonable)))
     old = {**{k: v for k, v in ADDED_KEYS.items() if k in new}, **old}
-    keys = sorted((set(old) | set(new)) - set(RESUMABLE_KEYS))
+    keys = sorted(k for k in (set(old) | set(new)) - set(RESUMABLE_KEYS) if not k.startswith(RESUMABLE_PREFIXES))
     missing = object()
     return [
         f"{k}: {old.get(k, missing)!r} -> {new.get(k, missing)!r}".replace(repr(missing), "(absent)")

@@ -15,7 +15,7 @@ import logging
 import math
 import os
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -39,11 +39,21 @@ class MetricWriter:
     Files are opened for appending, so a resumed run continues the same files (see `read_metrics`).
     """
 
-    def __init__(self, workdir: str | os.PathLike, *, tensorboard: bool = True, enabled: bool | None = None):
+    def __init__(
+        self,
+        workdir: str | os.PathLike,
+        *,
+        tensorboard: bool = True,
+        enabled: bool | None = None,
+        trackers: Sequence[Any] = (),
+    ):
+        """`trackers` (`trackers.open_trackers`): W&B / MLflow runs that get every row and sample table too,
+        and are closed with the writer (finished, or not when it closes on an exception)."""
         self.workdir = Path(workdir)
         self.enabled = jax.process_index() == 0 if enabled is None else enabled
         self._files: dict[str, Any] = {}
         self._tb = None
+        self._trackers = list(trackers) if self.enabled else []
         if not self.enabled:
             return
         self.workdir.mkdir(parents=True, exist_ok=True)
@@ -69,6 +79,8 @@ class MetricWriter:
                 if not math.isnan(v):  # an infinity is a real blow-up: charted
                     self._tb.add_scalar(k, v, int(step))
             self._tb.flush()
+        for tracker in self._trackers:
+            tracker.log(int(step), values)
 
     def write_samples(self, step: int, samples: list[Mapping[str, Any]]) -> None:
         """Records completions, one line each (`{"step", "time", **sample}`, e.g. prompt, completion,
@@ -82,6 +94,8 @@ class MetricWriter:
             text = "\n\n".join("  \n".join(f"**{k}**: `{v!r}`" for k, v in x.items()) for x in samples)
             self._tb.add_text("samples", text, int(step))
             self._tb.flush()
+        for tracker in self._trackers:
+            tracker.log_samples(int(step), samples)
 
     def write_routing(self, step: int, record: Mapping[str, Any]) -> None:
         """Records per-step arrays too big for scalar metrics (e.g. each MoE layer's expert loads)."""
@@ -89,19 +103,23 @@ class MetricWriter:
             return
         self._append(ROUTING_FILE, {"step": int(step), "time": time.time(), **record})
 
-    def close(self) -> None:
+    def close(self, finished: bool = True) -> None:
+        """Closes the files and TensorBoard, and ends the trackers' runs as finished or not."""
         for f in self._files.values():
             f.close()
         self._files.clear()
         if self._tb is not None:
             self._tb.close()
             self._tb = None
+        trackers, self._trackers = self._trackers, []
+        for tracker in trackers:
+            tracker.close(finished)
 
     def __enter__(self) -> MetricWriter:
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, *exc) -> None:
+        self.close(finished=exc_type is None)
 
     def _append(self, name: str, record: dict) -> None:
         f = self._files.get(name)

@@ -93,12 +93,17 @@ class Run:
     config: str  # scripts/train.py's --config, e.g. "configs/grpo.py:tiny"
     overrides: dict[str, Any]  # key -> value, each a --config.KEY=VALUE (COMMON's included)
     arm_overrides: dict[str, Any] = dataclasses.field(default_factory=dict)  # the run's own, `algorithm` in, seed out
+    sweep: str = ""  # the sweep file's stem: the run's group in a tracker (`logging.group`)
 
     def train_args(self, workdir: str | os.PathLike) -> list[str]:
-        """scripts/train.py's arguments for this run in `workdir`."""
+        """scripts/train.py's arguments for this run in `workdir`: its overrides, the sweep's shared warm
+        start cache, and its sweep and arm as a tracker's group and tag (unless the sweep sets them)."""
         flags = [f"--config.{k}={value_text(v)}" for k, v in self.overrides.items()]
         if "warm_start.cache_dir" not in self.overrides:
             flags.append(f"{CACHE_FLAG}{Path(workdir).parent.parent / WARM_STARTS}")
+        for key, value in (("logging.group", self.sweep), ("logging.arm", self.arm)):
+            if value and key not in self.overrides:
+                flags.append(f"--config.{key}={value}")
         return ["scripts/train.py", "--config", self.config, "--workdir", str(workdir), *flags]
 
 
@@ -157,7 +162,7 @@ def load_sweep(path: str | os.PathLike, repo: str | os.PathLike) -> Sweep:
         seen[name] = index
         own = {k: v for k, v in overrides.items() if k != SEED}
         arm = run_name(config_file.stem, own)
-        runs.append(Run(index, name, arm, f"{config_file.as_posix()}{sep}{run_arg}", merged, own))
+        runs.append(Run(index, name, arm, f"{config_file.as_posix()}{sep}{run_arg}", merged, own, sweep=path.stem))
     analysis = getattr(module, "ANALYSIS", "")
     if not isinstance(analysis, str):
         raise SweepError(f"{path}: ANALYSIS must be a string (how the sweep's results are read)")
