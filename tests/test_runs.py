@@ -112,9 +112,6 @@ def test_the_trainer_reads_typed_sections_and_unknown_keys_are_refused():
     assert b.warm_start.steps == c.warm_start.steps and b.warm_start.optimizer.b2 == c.warm_start.b2
     assert b.mesh.axes() == {k: c.mesh[k] for k in sharding.MESH_AXES}
     assert b.sampler.seq_len == c.prompt_len + c.max_new_tokens
-        b.mesh.axes() == {k: c.mesh[k] for k in sharding.MESH_AXES}
-        and b.sampler.seq_len == c.prompt_len + c.max_new_tokens
-    )
     assert b.train.updates == c.train.num_iterations * c.train.epochs * c.train.minibatches
     for section in ("train", "warm_start", "mesh"):
         d = base_config("gspo", "tiny")
