@@ -91,6 +91,8 @@ def test_the_tiny_sweep_expands_to_four_named_runs_in_two_arms():
         "--config.train.num_iterations=3",  # COMMON's, not in the name
         "--config.seed=1",
         "--config.warm_start.cache_dir=/w/warm_starts",  # shared by the sweep's runs
+        "--config.logging.group=tiny",  # a tracker groups the sweep's runs, tagged by arm
+        "--config.logging.arm=grpo",
     ]
 
 
@@ -157,7 +159,8 @@ def test_list_prints_names_statuses_and_commands_of_a_shard(tmp_path, capsys):
         .split("\t")[2]
         .endswith(
             f"scripts/train.py --config configs/grpo.py:tiny --workdir {tmp_path}/runs/grpo-seed=1 "
-            f"--config.train.num_iterations=3 --config.seed=1 --config.warm_start.cache_dir={tmp_path}/warm_starts"
+            f"--config.train.num_iterations=3 --config.seed=1 --config.warm_start.cache_dir={tmp_path}/warm_starts "
+            "--config.logging.group=tiny --config.logging.arm=grpo"
         )
     )
     assert not (tmp_path / "runs").exists()
