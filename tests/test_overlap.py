@@ -91,7 +91,7 @@ def _compared(rows: list[dict]) -> list[dict]:
 
 @pytest.mark.slow
 def test_a_split_run_equals_the_one_mesh_run_overlaps_and_resumes_bitwise(tmp_path, monkeypatch):
-    """Staleness 1, four iterations. One mesh: data=4 on devices 0-3 (4-7 idle). Split: the same trainer
+    """Staleness 1, weight replay (R3W), four iterations. One mesh: data=4 on devices 0-3 (4-7 idle). Split: the same trainer
     mesh, and a sampler mesh data=4 on devices 4-7. Every metric but the times, and the final
     parameters, are equal bitwise; iterations 1-3 drew their batch on the rollout thread with a policy
     on the sampler's devices; the split run's own timing keys are logged; stopped after iteration 1
@@ -99,6 +99,7 @@ def test_a_split_run_equals_the_one_mesh_run_overlaps_and_resumes_bitwise(tmp_pa
     c = small("gspo")
     c.warm_start.steps = 0  # the aux losses alone move the policy: tiny rewards are all 0 at first
     c.train.update(learning_rate=1e-2, eval_every=2, num_iterations=4)
+    c.train.routing_replay = "R3W"  # the sampler's expert ids and weights cross to the trainer's mesh too
     c.rollout.staleness = 1
     c.mesh.update(data=4)
     run_lib.train_and_evaluate(build(c), tmp_path / "one", progress=False)
