@@ -91,8 +91,8 @@ def _compared(rows: list[dict]) -> list[dict]:
 
 @pytest.mark.slow
 def test_a_split_run_equals_the_one_mesh_run_overlaps_and_resumes_bitwise(tmp_path, monkeypatch):
-    """Staleness 1, weight replay (R3W), four iterations. One mesh: data=4 on devices 0-3 (4-7 idle). Split: the same trainer
-    mesh, and a sampler mesh data=4 on devices 4-7. Every metric but the times, and the final
+    """Staleness 1, weight replay (R3W), four iterations. One mesh: data=4 on devices 0-3 (4-7 idle).
+    Split: the same trainer mesh, and a sampler mesh data=4 on devices 4-7. Every metric but the times, and the final
     parameters, are equal bitwise; iterations 1-3 drew their batch on the rollout thread with a policy
     on the sampler's devices; the split run's own timing keys are logged; stopped after iteration 1
     (its next batch in flight) and resumed, the split run ends where the uninterrupted one does."""
