@@ -574,13 +574,18 @@ LORA_ARMS = {  # arm -> what it is (the sweep file's ARMS, as the sweep names it
 }
 
 
-def _lora_equivalence(d: Interval) -> str:
-    """The sweep's rule: within the margin, wholly below 0, or neither (with the interval's half-width)."""
-    if d.lo >= -LORA_MARGIN and d.hi <= LORA_MARGIN:
-        return "matches (within ±5)"
+def _equivalence(d: Interval, margin: float, within: str, below: str) -> str:
+    """A sweep's equivalence rule: `within` its ±margin, `below` 0 wholly, or neither (with the interval's
+    half-width)."""
+    if d.lo >= -margin and d.hi <= margin:
+        return f"{within} (within ±{100 * margin:.0f})"
     if d.hi < 0:
-        return "falls short (below 0)"
+        return f"{below} (below 0)"
     return f"not settled (±{100 * (d.hi - d.lo) / 2:.1f})"
+
+
+def _lora_equivalence(d: Interval) -> str:
+    return _equivalence(d, LORA_MARGIN, "matches", "falls short")
 
 
 def _lora(res: Results) -> tuple[int, dict[str, list[RunResult]], str]:
@@ -639,12 +644,7 @@ def _staleness_arm(algorithm: str, k: int) -> str:
 
 
 def _costs(d: Interval) -> str:
-    """The sweep's rule: within the margin, wholly below 0, or neither (with the interval's half-width)."""
-    if d.lo >= -STALENESS_MARGIN and d.hi <= STALENESS_MARGIN:
-        return "costs nothing (within ±3)"
-    if d.hi < 0:
-        return "costs (below 0)"
-    return f"not settled (±{100 * (d.hi - d.lo) / 2:.1f})"
+    return _equivalence(d, STALENESS_MARGIN, "costs nothing", "costs")
 
 
 def _staleness(res: Results) -> tuple[str, str, str]:
