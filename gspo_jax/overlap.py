@@ -82,9 +82,9 @@ class RolloutAhead:
         started, _, future = self._pending
         if started != iteration:
             raise RuntimeError(f"the rollout in flight is iteration {started}'s, not {iteration}'s")
+        self._pending = None  # taken, whether it drew its batch or raised
         t0 = time.perf_counter()
         batch, metrics, busy = future.result()
-        self._pending = None
         return Drawn(batch, metrics, busy, time.perf_counter() - t0)
 
     def wait(self) -> None:

@@ -143,3 +143,53 @@ def test_a_workdir_recorded_before_the_split_keys_existed_resumes_as_one_mesh_on
     assert workdir_lib.config_changes(recorded, json.loads(as_json(c))) == []
     c.mesh.rollout_devices = 4
     assert workdir_lib.config_changes(recorded, json.loads(as_json(c))) == ["mesh.rollout_devices: 0 -> 4"]
+
+
+class _Prompts:
+    """A prompt stream whose position is how many batches were drawn."""
+
+    def __init__(self):
+        self.drawn = 0
+
+    def state(self):
+        return {"drawn": self.drawn}
+
+
+def _batch(value: int) -> rollout_lib.RolloutBatch:
+    host = np.full((2,), value)
+    return rollout_lib.RolloutBatch(*(host for _ in range(11)))
+
+
+def test_the_rollout_ahead_hands_over_in_order_remembers_the_prompts_and_raises_a_failure():
+    """`RolloutAhead` with a stand-in rollout (host arrays only): one batch in flight at a time, taken by
+    its own iteration; a checkpoint's prompt position is the one before the batch in flight; the
+    rollout's exception reaches the trainer at `take`; `close` waits for the one in flight."""
+    prompts, gate = _Prompts(), threading.Event()
+
+    def rollout(policy, stream, key):
+        gate.wait(10)
+        if policy == "bad":
+            raise ValueError("reward function failed")
+        stream.drawn += 1
+        return _batch(key), {"reward_mean": float(key)}
+
+    ahead = overlap.RolloutAhead(rollout, prompts, trainer_mesh=None)
+    assert ahead.take(0) is None and ahead.prompts_state() == {"drawn": 0}  # nothing started: drawn in place
+    ahead.start(1, "policy", 7)
+    with pytest.raises(RuntimeError, match="a rollout for iteration 1 is still in flight"):
+        ahead.start(2, "policy", 8)
+    assert ahead.prompts_state() == {"drawn": 0}  # what a checkpoint now records: the batch is drawn again
+    gate.set()
+    ahead.wait()
+    assert prompts.drawn == 1 and ahead.prompts_state() == {"drawn": 0}  # drawn, not yet taken
+    with pytest.raises(RuntimeError, match="iteration 1's, not 2's"):
+        ahead.take(2)
+    drawn = ahead.take(1)
+    assert drawn.metrics == {"reward_mean": 7.0} and int(drawn.batch.tokens[0]) == 7
+    assert drawn.busy_seconds >= 0 and drawn.wait_seconds >= 0 and ahead.prompts_state() == {"drawn": 1}
+    ahead.start(2, "bad", 8)
+    with pytest.raises(ValueError, match="reward function failed"):
+        ahead.take(2)
+    ahead.start(3, "policy", 9)
+    ahead.close()  # waits for it, drops it
+    assert prompts.drawn == 2 and ahead.take(3) is None
