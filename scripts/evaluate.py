@@ -6,6 +6,7 @@ Usage:
   python scripts/evaluate.py --workdir /tmp/run --samples 8                 # the run's latest checkpoint
   python scripts/evaluate.py --workdir /tmp/run --step 100 --task countdown --split eval --temperature 0.6
   python scripts/evaluate.py --hf_checkpoint tests/fixtures/qwen3_moe_tiny --task arithmetic --samples 4
+  python scripts/evaluate.py --hf_checkpoint DIR --task gsm8k --prompt_len 256 --max_new_tokens 512
 
 The policy comes from a run's checkpoint (its config gives the model, the task, the lengths and the
 temperature unless the flags say otherwise) or from a local Hugging Face checkpoint (its config gives the
@@ -55,6 +56,8 @@ def parse_args(argv):
     parser.add_argument("--top_p", type=float, default=1.0, help="1: off (default)")
     parser.add_argument("--seed", type=int, default=0, help="picks the prompts and every draw (default 0)")
     parser.add_argument("--batch_prompts", type=int, default=16, help="prompts per sampler call (default 16)")
+    parser.add_argument("--prompt_len", type=int, help="prompt bucket in tokens (default: the run's, or the size's)")
+    parser.add_argument("--max_new_tokens", type=int, help="completion budget (default: the run's, or the size's)")
     parser.add_argument("--out", help="the JSON file to write")
     parser.add_argument("--no_progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
@@ -63,6 +66,9 @@ def parse_args(argv):
     for name, low in (("samples", 1), ("num_prompts", 1), ("batch_prompts", 1), ("top_k", 0)):
         if getattr(args, name) < low:
             parser.error(f"--{name}={getattr(args, name)}: must be >= {low}")
+    for name in ("prompt_len", "max_new_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name}={getattr(args, name)}: must be >= 1")
     if args.temperature is not None and not args.temperature > 0:
         parser.error(f"--temperature={args.temperature}: must be > 0 (greedy accuracy is reported beside the samples)")
     if not 0 < args.top_p <= 1:
@@ -100,6 +106,9 @@ def evaluate(args) -> dict:
         c.task.name = args.task
     temperature = float(c.rollout.temperature if args.temperature is None else args.temperature)
     c.rollout.update(num_groups=args.batch_prompts, group_size=args.samples, sampler_threads=0, staleness=0)
+    for name in ("prompt_len", "max_new_tokens"):  # the build checks them against the task and the model
+        if getattr(args, name) is not None:
+            c[name] = getattr(args, name)
     c.warm_start.steps = 0
     built = snapshots.build_here(c)
     prompts = prompt_iterator(built.task, seed=args.seed, split=args.split)

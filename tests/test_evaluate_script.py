@@ -57,11 +57,11 @@ def test_a_runs_latest_checkpoint_is_scored_written_and_reproducible(run, tmp_pa
         "--workdir", run.workdir, *SMALL, "--step", STEPS[0], "--temperature", 0.5, "--out", tmp_path
     )
     assert code == 2 and "is a directory" in stderr  # --out names the file; nothing was written
-    code, _, stderr = call(
-        "--workdir", run.workdir, *SMALL, "--step", STEPS[0], "--temperature", 0.5, "--out", tmp_path / "n"
-    )
+    step_1 = ("--step", STEPS[0], "--temperature", 0.5, "--max_new_tokens", 4)
+    code, _, stderr = call("--workdir", run.workdir, *SMALL, *step_1, "--out", tmp_path / "n")
     named = json.loads((tmp_path / "n").read_text())
-    assert code == 0 and (named["step"], named["temperature"]) == (STEPS[0], 0.5)
+    assert code == 0 and (named["step"], named["temperature"], named["max_new_tokens"]) == (STEPS[0], 0.5, 4)
+    assert named["mean_completion_length"] <= 4
 
 
 @pytest.mark.slow
@@ -77,6 +77,7 @@ def test_a_hugging_face_checkpoint_is_scored():
     "args, words",
     [
         (("--samples", 0), "--samples=0: must be >= 1"),
+        (("--max_new_tokens", 0), "--max_new_tokens=0: must be >= 1"),
         (("--temperature", 0), "--temperature=0.0: must be > 0"),
         (("--top_p", 1.5), "--top_p=1.5: must be in (0, 1]"),
         (("--step", 1, "--hf_checkpoint", "x"), "not allowed with argument"),
