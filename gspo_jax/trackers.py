@@ -155,9 +155,18 @@ class MlflowTracker(Tracker):
         uri = cfg.mlflow_tracking_uri
         if ":" not in uri:  # a local path: an SQLite store in that file (MLflow 3 retired the file store)
             uri = f"sqlite:///{Path(uri).absolute()}"
+        # A local store's artifacts beside its file (MLflow would put them in ./mlruns, under whatever
+        # directory the run was started from); a server keeps its own.
+        artifacts = None
+        if uri.startswith("sqlite:///"):
+            artifacts = (Path(uri.removeprefix("sqlite:///")).parent / "mlartifacts").absolute().as_uri()
         self.client = client = MlflowClient(tracking_uri=uri)
         experiment = client.get_experiment_by_name(cfg.mlflow_experiment)
-        experiment_id = experiment.experiment_id if experiment else client.create_experiment(cfg.mlflow_experiment)
+        experiment_id = (
+            experiment.experiment_id
+            if experiment
+            else client.create_experiment(cfg.mlflow_experiment, artifact_location=artifacts)
+        )
         if "mlflow" in ids:  # resumed: the same run, running again
             self.run_id = ids["mlflow"]
             client.update_run(self.run_id, status="RUNNING")

@@ -61,6 +61,8 @@ def test_a_run_logs_to_wandb_offline_and_mlflow_and_its_resume_continues_the_sam
     from mlflow.tracking import MlflowClient
 
     c, workdir = tracked_config(tmp_path), tmp_path / "run"
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")  # started from another directory than the store's
     with monkeypatch.context() as m, pytest.raises(run_lib.StoppedEarly):
         _sigterm_after(m, 0)
         run_lib.train_and_evaluate(build(c), workdir, progress=False)
@@ -91,6 +93,7 @@ def test_a_run_logs_to_wandb_offline_and_mlflow_and_its_resume_continues_the_sam
     samples = artifact("samples/step_2.json")
     assert samples["columns"][:3] == ["prompt", "completion", "reward"] and len(samples["data"]) >= 1
     assert artifact("config.json") == json.loads((workdir / "config.json").read_text())
+    assert (tmp_path / "mlartifacts").is_dir() and not (tmp_path / "elsewhere" / "mlruns").exists()
 
     files = sorted(glob.glob(str(workdir / "wandb" / "offline-run-*" / "run-*.wandb")))
     assert len(files) == 2 and all(f.endswith(f"run-{ids['wandb']}.wandb") for f in files)  # one run, two attempts
