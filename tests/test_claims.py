@@ -298,7 +298,12 @@ def jitter(arm: str, seed: int) -> float:
         ({"eps_low=0.003"}, "The clip range: clip range 10× stops the collapse"),
         (
             {"gspo-minibatches=1", "gspo-minibatches=2"},
-            "The sequence ratio off-policy: 1 update per rollout, 2 updates stops it, no wider range does",
+            "The sequence ratio off-policy: 1 update per rollout and 2 updates each stop the collapse, "
+            "no wider clip range does",
+        ),
+        (
+            {"gspo-minibatches=2"},
+            "The sequence ratio off-policy: 2 updates stops the collapse, no wider clip range does",
         ),
         (set(), "Neither: GSPO collapses on-policy too (every ratio 1, nothing clipped)"),
         ({"control"}, "Not this code's behaviour: the rerun control collapsed in 0/5"),

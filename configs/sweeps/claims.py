@@ -303,7 +303,8 @@ def _gspo_collapse(res: Results) -> tuple[str, str, str]:
             elif wide:
                 verdict = "The clip range: " + ", ".join(wide) + " stops the collapse"
             elif fewer:
-                verdict = "The sequence ratio off-policy: " + ", ".join(fewer) + " stops it, no wider range does"
+                stop = " and ".join(fewer) + (" each stop" if len(fewer) > 1 else " stops")
+                verdict = f"The sequence ratio off-policy: {stop} the collapse, no wider clip range does"
             elif sum(r.collapsed() for r in on_policy) >= 4:
                 verdict = "Neither: GSPO collapses on-policy too (every ratio 1, nothing clipped)"
             else:
