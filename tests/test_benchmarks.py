@@ -357,3 +357,32 @@ def test_a_decode_step_given_its_layers_sliced_reads_no_copy_of_the_stacks():
     inside = accelerator.decode_step_bytes("dense", sliced=False)
     assert sliced["ratio"] >= 1.0  # every weight read at least once
     assert inside["bytes_accessed"] - sliced["bytes_accessed"] >= 0.5 * sliced["weight_bytes"]
+
+
+def test_the_suite_profile_adds_each_modules_xla_seconds_across_processes(tmp_path):
+    """benchmarks.suite_compiles: JAX's duration events summed per test module in each process (other
+    events ignored), two processes' sums added per module, the table slowest first with its total
+    (`pytest -p benchmarks.suite_compiles -n 2` on two modules printed 2 + 1 = 3 compiles, by hand)."""
+    from benchmarks import suite_compiles as sc
+
+    def process(events):
+        sums = sc._Sums()
+        for module, event, seconds in events:
+            sums.module = module
+            sums.listen(event, seconds, extra="ignored")
+        return sums.as_json()
+
+    compile_, trace = sc.EVENTS["compile"], sc.EVENTS["trace"]
+    one = process([("test_a.py", compile_, 1.5), ("test_a.py", trace, 0.25), ("test_b.py", compile_, 4.0)])
+    two = process([("test_a.py", compile_, 0.5), ("test_a.py", "/jax/some/other_event", 9.0)])
+    assert one["test_a.py"] == {"compile": 1.5, "trace": 0.25, "compiles": 1}
+    (tmp_path / "gw0.json").write_text(json.dumps(one))
+    (tmp_path / "gw1.json").write_text(json.dumps(two))
+    merged = sc.merged(tmp_path)
+    assert merged == {
+        "test_a.py": {"compile": 2.0, "trace": 0.25, "compiles": 2},
+        "test_b.py": {"compile": 4.0, "compiles": 1},
+    }
+    rows = [line.split() for line in sc.table(merged)]
+    assert rows[0][0] == "module" and [r[0] for r in rows[1:]] == ["test_b.py", "test_a.py", "total"]
+    assert rows[-1][1:] == ["6.0", "0.2", "0.0", "0.0", "3"]  # 0.25 prints as 0.2

@@ -1,0 +1,93 @@
+"""Where the test suite's time goes, per test module: seconds of XLA backend compile, tracing and lowering
+in the pytest processes (xdist workers included; child processes a test starts are not seen), and the
+compile seconds the persistent cache saved. A pytest plugin, for profiling the suite before cutting it:
+
+    pytest -p benchmarks.suite_compiles            # a table at the end, slowest module first
+
+It listens to JAX's own duration events (`jax.monitoring`); each xdist worker writes its sums to a
+temporary folder and the controller prints them merged."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import pytest
+
+EVENTS = {  # column -> JAX's event
+    "compile": "/jax/core/compile/backend_compile_duration",
+    "trace": "/jax/core/compile/jaxpr_trace_duration",
+    "lower": "/jax/core/compile/jaxpr_to_mlir_module_duration",
+    "cache_saved": "/jax/compilation_cache/compile_time_saved_sec",
+}
+_ENV = "GSPO_JAX_SUITE_COMPILES_DIR"  # where workers write their sums (made by the controller)
+
+
+class _Sums:
+    def __init__(self):
+        self.seconds = collections.defaultdict(collections.Counter)  # module -> column -> seconds
+        self.compiles = collections.Counter()  # module -> backend compiles
+        self.module = "(collection)"
+
+    def listen(self, event: str, duration: float, **_) -> None:
+        for column, name in EVENTS.items():
+            if event == name:
+                self.seconds[self.module][column] += duration
+                self.compiles[self.module] += column == "compile"
+
+    def as_json(self) -> dict:
+        return {m: {**self.seconds[m], "compiles": self.compiles[m]} for m in self.seconds}
+
+
+_sums = _Sums()
+
+
+def pytest_configure(config):
+    from jax import monitoring
+
+    monitoring.register_event_duration_secs_listener(_sums.listen)
+    if not os.environ.get("PYTEST_XDIST_WORKER") and _ENV not in os.environ:
+        os.environ[_ENV] = tempfile.mkdtemp(prefix="gspo_jax_suite_compiles_")  # the workers inherit it
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    _sums.module = item.path.name
+    yield
+
+
+def pytest_sessionfinish(session):
+    folder = Path(os.environ[_ENV])
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "controller")
+    (folder / f"{worker}.json").write_text(json.dumps(_sums.as_json()))
+
+
+def merged(folder: Path) -> dict[str, dict[str, float]]:
+    """Every process's sums in `folder`, added up per module."""
+    total: dict[str, collections.Counter] = collections.defaultdict(collections.Counter)
+    for f in folder.glob("*.json"):
+        for module, sums in json.loads(f.read_text()).items():
+            total[module].update(sums)
+    return {m: dict(c) for m, c in total.items()}
+
+
+def table(sums: dict[str, dict[str, float]]) -> list[str]:
+    """Rows of `sums`, the most compile time first, and their total."""
+    columns = (*EVENTS, "compiles")
+    rows = [f"{'module':<32}" + "".join(f"{c:>12}" for c in columns)]
+    order = sorted(sums, key=lambda m: -sums[m].get("compile", 0.0))
+    for m in [*order, "total"]:
+        s = sums.get(m) or {c: sum(x.get(c, 0.0) for x in sums.values()) for c in columns}
+        rows.append(f"{m:<32}" + "".join(f"{s.get(c, 0.0):>12.1f}" for c in EVENTS) + f"{s.get('compiles', 0):>12.0f}")
+    return rows
+
+
+def pytest_terminal_summary(terminalreporter):
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    terminalreporter.section("XLA seconds per test module (benchmarks.suite_compiles)")
+    for line in table(merged(Path(os.environ[_ENV]))):
+        terminalreporter.write_line(line)
