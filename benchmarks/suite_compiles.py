@@ -9,9 +9,11 @@ temporary folder and the controller prints them merged."""
 
 from __future__ import annotations
 
+import atexit
 import collections
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -23,6 +25,7 @@ EVENTS = {  # column -> JAX's event
     "lower": "/jax/core/compile/jaxpr_to_mlir_module_duration",
     "cache_saved": "/jax/compilation_cache/compile_time_saved_sec",
 }
+_COLUMN = {event: column for column, event in EVENTS.items()}
 _ENV = "GSPO_JAX_SUITE_COMPILES_DIR"  # where workers write their sums (made by the controller)
 
 
@@ -33,10 +36,10 @@ class _Sums:
         self.module = "(collection)"
 
     def listen(self, event: str, duration: float, **_) -> None:
-        for column, name in EVENTS.items():
-            if event == name:
-                self.seconds[self.module][column] += duration
-                self.compiles[self.module] += column == "compile"
+        column = _COLUMN.get(event)  # called on every JAX duration event: one dict lookup
+        if column is not None:
+            self.seconds[self.module][column] += duration
+            self.compiles[self.module] += column == "compile"
 
     def as_json(self) -> dict:
         return {m: {**self.seconds[m], "compiles": self.compiles[m]} for m in self.seconds}
@@ -51,6 +54,7 @@ def pytest_configure(config):
     monitoring.register_event_duration_secs_listener(_sums.listen)
     if not os.environ.get("PYTEST_XDIST_WORKER") and _ENV not in os.environ:
         os.environ[_ENV] = tempfile.mkdtemp(prefix="gspo_jax_suite_compiles_")  # the workers inherit it
+        atexit.register(shutil.rmtree, os.environ[_ENV], ignore_errors=True)  # the controller's, after its summary
 
 
 @pytest.hookimpl(hookwrapper=True)
