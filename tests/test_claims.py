@@ -353,7 +353,14 @@ def test_the_mechanism_row_splits_the_on_policy_control_with_its_interaction():
     assert "the control's two changes split in `on_policy_split` (5 of 5 seeds)" in limits
 
 
-@pytest.mark.parametrize("more, want", [(0.0, "the filter's"), (0.09, "the sampling's")])
+@pytest.mark.parametrize(
+    "more, want",
+    [
+        (0.0, "the filter's"),
+        (0.09, "the sampling's"),
+        (0.18, "unresolved by the rule (not foreseen there): as many rollouts gain more than dynamic sampling"),
+    ],
+)
 def test_dynamic_sampling_at_equal_rollouts_names_the_filter_or_the_sampling(more, want):
     lift = {"grpo-dynamic_sampling=True-max_rounds=3": 0.09, "grpo-num_groups=64": more}
     acc = lambda arm, seed: 0.5 + lift.get(arm, 0.0) + jitter(arm, seed)  # noqa: E731

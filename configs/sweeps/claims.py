@@ -472,6 +472,8 @@ def _dapo_sampling(res: Results) -> tuple[str, str]:
         return text, "the filter's"
     if d_more.lo > 0 and sign(d_filter) == "includes 0":
         return text, "the sampling's"
+    if d_more.lo > 0 and d_filter.hi < 0:  # beyond the rule's two verdicts: said as such, not folded into one
+        return text, "unresolved by the rule (not foreseen there): as many rollouts gain more than dynamic sampling"
     return text, "unresolved"
 
 
