@@ -361,21 +361,27 @@ def test_a_decode_step_given_its_layers_sliced_reads_no_copy_of_the_stacks():
 
 def test_the_suite_profile_adds_each_modules_xla_seconds_across_processes(tmp_path):
     """benchmarks.suite_compiles: JAX's duration events summed per test module in each process (other
-    events ignored), two processes' sums added per module, the table slowest first with its total
-    (`pytest -p benchmarks.suite_compiles -n 2` on two modules printed 2 + 1 = 3 compiles, by hand)."""
+    events ignored), two processes' sums added per module and per compiled program, the tables slowest
+    first (`pytest -p benchmarks.suite_compiles -n 2` on two modules printed 2 + 1 = 3 compiles, by hand)."""
     from benchmarks import suite_compiles as sc
 
     def process(events):
         sums = sc._Sums()
-        for module, event, seconds in events:
+        for module, event, seconds, name in events:
             sums.module = module
-            sums.listen(event, seconds, extra="ignored")
+            sums.listen(event, seconds, fun_name=name)
         return sums.as_json()
 
     compile_, trace = sc.EVENTS["compile"], sc.EVENTS["trace"]
-    one = process([("test_a.py", compile_, 1.5), ("test_a.py", trace, 0.25), ("test_b.py", compile_, 4.0)])
-    two = process([("test_a.py", compile_, 0.5), ("test_a.py", "/jax/some/other_event", 9.0)])
-    assert one["test_a.py"] == {"compile": 1.5, "trace": 0.25, "compiles": 1}
+    one = process(
+        [
+            ("test_a.py", compile_, 1.5, "jit(step)"),
+            ("test_a.py", trace, 0.25, "jit(step)"),
+            ("test_b.py", compile_, 4.0, "jit(step)"),
+        ]
+    )
+    two = process([("test_a.py", compile_, 0.5, "jit(add)"), ("test_a.py", "/jax/some/other_event", 9.0, "jit(x)")])
+    assert one["modules"]["test_a.py"] == {"compile": 1.5, "trace": 0.25, "compiles": 1}
     (tmp_path / "gw0.json").write_text(json.dumps(one))
     (tmp_path / "gw1.json").write_text(json.dumps(two))
     merged = sc.merged(tmp_path)
@@ -386,3 +392,9 @@ def test_the_suite_profile_adds_each_modules_xla_seconds_across_processes(tmp_pa
     rows = [line.split() for line in sc.table(merged)]
     assert rows[0][0] == "module" and [r[0] for r in rows[1:]] == ["test_b.py", "test_a.py", "total"]
     assert rows[-1][1:] == ["6.0", "0.2", "0.0", "0.0", "3"]  # 0.25 prints as 0.2
+    programs = sc.merged(tmp_path, "programs")  # the trace event and the other event count for no program
+    assert programs == {"jit(step)": {"compile": 5.5, "compiles": 2}, "jit(add)": {"compile": 0.5, "compiles": 1}}
+    assert [r.split() for r in sc.program_table(programs)][1:] == [
+        ["jit(step)", "5.5", "2", "2.75"],
+        ["jit(add)", "0.5", "1", "0.50"],
+    ]
