@@ -2,12 +2,13 @@
 runs: every number over the seeds all their arms share, "Pending" until the grid has its pre-registered seeds,
 then the verdict the intervals give. The rows' older sweeps are read from the committed results/."""
 
+import shutil
 from pathlib import Path
 
 import pytest
 
 from gspo_jax.config_files import load_file
-from gspo_jax.study import analysis, claims, sweeps
+from gspo_jax.study import analysis, claims, drift_law, report, sweeps
 from gspo_jax.study.report import ACCURACY, SAMPLED, RunResult
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -397,3 +398,46 @@ def test_the_staleness_row_pairs_each_lag_with_k0_and_applies_the_margin(cost, w
     assert limits.startswith("5 seeds, which resolve paired differences beyond ±")
     _, pending, _ = study._staleness(SweepGrid({study.STALENESS: acc}, seeds=range(2)))
     assert pending == "Pending: the staleness sweep has 2 of 5 seeds"
+
+
+class WithDriftLaw(claims.Results):
+    """The committed results, with drift_scaling read from `root` (runs made to follow a known law)."""
+
+    def __init__(self, root: Path):
+        super().__init__(ROOT)
+        self.root = root
+
+    def arms(self, name):
+        if name != study.DRIFT_LAW:
+            return super().arms(name)
+        out = {}
+        for r in report.collect(sweeps.load_sweep(ROOT / "configs" / "sweeps" / "drift_scaling.py", ROOT), self.root):
+            if r.status == "done":
+                out.setdefault(r.run.arm, []).append(r)
+        return out
+
+
+def test_the_drift_rows_set_the_drift_laws_qwen3_value_beside_the_papers(tmp_path):
+    """On runs that follow a known law exactly, the two drift rows print its Qwen3-30B-A3B value (a
+    zero-width interval) and place it against the papers' ~10% and 94%; with a dial's cells missing, pending."""
+    from test_drift_law import truth, write_workroot
+
+    write_workroot(tmp_path, noise=0.0)
+    w = claims.pct(truth(drift_law.QWEN3, "drift_slot_change_rate"))  # every metric follows the same law
+    assert w == "90.7%"  # logit(0.2) + 0.8 ln 6 + 0.3 ln 2 + 0.5 ln 4 + 0.4 ln(1000/36)
+    here, verdict, _ = study._drift(WithDriftLaw(tmp_path))
+    assert "Drift law (`drift_scaling`, 51 runs) at Qwen3-30B-A3B" in here
+    assert f"slots moved per iteration {w} ({w} to {w}; center cell 20.0%)" in here
+    assert verdict.endswith("; at Qwen3-30B-A3B's scale (the drift law) above the reported 10%")
+    _, verdict, _ = study._mismatch(WithDriftLaw(tmp_path))
+    assert verdict.endswith(
+        "routers at Qwen3-30B-A3B's scale (the drift law) above the reported 10%; "
+        "tokens at Qwen3-30B-A3B's scale (the drift law) below the reported 94%"  # 90.7% < 94%
+    )
+    for d in tmp_path.joinpath("runs").iterdir():
+        if "top_k" in d.name:
+            shutil.rmtree(d)
+    here, verdict, _ = study._drift(WithDriftLaw(tmp_path))
+    assert "Drift law (`drift_scaling`): 42 of 51 runs" in here and verdict.endswith(
+        "at Qwen3-30B-A3B's scale: pending"
+    )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from gspo_jax.study import drift_law, sweeps
 from gspo_jax.study.analysis import Interval
 from gspo_jax.study.claims import (
     Claim,
@@ -30,6 +31,30 @@ from gspo_jax.study.claims import (
 )
 from gspo_jax.study.report import ACCURACY, RunResult
 
+DRIFT_LAW = "drift_scaling"  # configs/sweeps/drift_scaling.py: drift against depth, experts, top-k and length
+
+
+def _at_qwen3(res: Results, reported: dict[str, tuple[str, float]]) -> tuple[str, dict[str, str]]:
+    """(a sentence, metric -> verdict) of each metric of `reported` (its words, the value a paper reports for
+    its own model) extrapolated by the drift law (gspo_jax.study.drift_law, as `scripts/drift_law.py` fits
+    it) to Qwen3-30B-A3B, each set beside what the paper reports."""
+    runs = [r for rs in res.arms(DRIFT_LAW).values() for r in rs]
+    pts = drift_law.points(runs)
+    laws = {m: drift_law.law(pts, m) for m in reported}
+    if any(w is None for w in laws.values()):
+        total = len(sweeps.load_sweep(res.repo / "configs" / "sweeps" / f"{DRIFT_LAW}.py", res.repo).runs)
+        pending = {m: "at Qwen3-30B-A3B's scale: pending" for m in reported}
+        return f". Drift law (`{DRIFT_LAW}`): {len(runs)} of {total} runs", pending
+    values, verdicts = [], {}
+    for m, (words, paper) in reported.items():
+        w = laws[m]
+        values.append(f"{words} {pct(w.qwen3)} ({pct(w.qwen3_lo)} to {pct(w.qwen3_hi)}; center cell {pct(w.center)})")
+        place = "within" if w.qwen3_lo <= paper <= w.qwen3_hi else "below" if w.qwen3_hi < paper else "above"
+        verdicts[m] = f"at Qwen3-30B-A3B's scale (the drift law) {place} the reported {pct(paper, 0)}"
+    head = f". Drift law (`{DRIFT_LAW}`, {len(runs)} runs) at Qwen3-30B-A3B "
+    head += "(48 MoE layers, 128 experts, top-8, ~1,000 tokens): "
+    return head + "; ".join(values), verdicts
+
 
 def _drift(res: Results) -> tuple[str, str, str]:
     main = run_means([r for rs in res.arms("main_job").values() for r in rs], "drift_slot_change_rate")
@@ -48,8 +73,13 @@ def _drift(res: Results) -> tuple[str, str, str]:
         f"step that learns (`many_experts`, no replay): {span(many)} per iteration"
     )
     ok = arch["grpo"] >= 0.08 or min(many) >= 0.05
-    verdict = "Reached with 8 updates or 64 experts" if ok else "Not reached"
-    return here, verdict, "3 seeds per arm; 1–15 MoE layers, not 48; drift is per iteration, not per update"
+    law, at_scale = _at_qwen3(res, {"drift_slot_change_rate": ("slots moved per iteration", 0.10)})
+    verdict = (
+        "Reached with 8 updates or 64 experts" if ok else "Not reached"
+    ) + f"; {at_scale['drift_slot_change_rate']}"
+    limits = "3 seeds per arm; 1–15 MoE layers, not 48; drift is per iteration, not per update"
+    limits += "; the law: 10-iteration runs, one dial moved at a time, its fit extrapolated past the cells measured"
+    return here + law, verdict, limits
 
 
 HEADLINE = "headline"  # configs/sweeps/headline.py: the grid in the mechanism search's closest cell
@@ -171,8 +201,17 @@ def _mismatch(res: Results) -> tuple[str, str, str]:
         f"flipped layer (8 experts, `objectives_replay`); {span(many[0])} and {span(many[1])} with 64 experts "
         "(`many_experts`)"
     )
-    verdict = "Same order for routers with 64 experts; far fewer tokens"
-    return here, verdict, "one engine (this sampler in bf16), 3 MoE layers, ~8-token completions"
+    reported = {
+        "mismatch_router_flip_rate": ("router choices that differ", 0.10),
+        "mismatch_token_any_flip": ("tokens with a differing router", 0.94),
+    }
+    law, at_scale = _at_qwen3(res, reported)
+    routers, tokens = at_scale["mismatch_router_flip_rate"], at_scale["mismatch_token_any_flip"]
+    verdict = "Same order for routers with 64 experts; far fewer tokens; " + (
+        routers if routers == tokens else f"routers {routers}; tokens {tokens}"
+    )
+    limits = "one engine (this sampler in bf16), 3 MoE layers, ~8-token completions; the law: as in the first row"
+    return here + law, verdict, limits
 
 
 def _r3_collapse(res: Results) -> tuple[str, str, str]:
@@ -679,7 +718,7 @@ CLAIMS = (
         "One update changes ~10% of the experts a token is routed to",
         "GSPO",
         _drift,
-        ("main_job", "drift_architecture", "many_experts"),
+        ("main_job", "drift_architecture", "many_experts", DRIFT_LAW),
     ),
     Claim(
         "GRPO needs routing replay to converge on an MoE; GSPO does not",
@@ -697,7 +736,7 @@ CLAIMS = (
         "~10% of routers and 94% of tokens disagree between the inference engine and the trainer",
         "R3",
         _mismatch,
-        ("objectives_replay", "many_experts"),
+        ("objectives_replay", "many_experts", DRIFT_LAW),
     ),
     Claim(
         "Replaying the engine's routing (R3) stops GRPO's collapse",
