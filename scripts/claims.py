@@ -1,4 +1,5 @@
-"""Rebuilds docs/RESULTS.md's claims table from the committed results/ (gspo_jax.study.claims).
+"""Rebuilds docs/RESULTS.md's claims table from results/ (gspo_jax.study.claims): the runs on disk, so it
+names finished runs that are not committed yet (commit them with the table, or a clean checkout differs).
 
 The claims, and how each row reads the sweeps, are the study's: configs/sweeps/claims.py.
 
@@ -29,6 +30,14 @@ def main(argv=None) -> int:
     )
     args = parser.parse_args(argv)
     new = claims.table(REPO, claims.load(CLAIMS))
+    loose = claims.uncommitted_runs(REPO)
+    if loose:
+        runs = f"{len(loose)} finished run{'s are' if len(loose) > 1 else ' is'} not committed"
+        print(
+            f"claims: {runs} ({', '.join(loose[:3])}{', ...' if len(loose) > 3 else ''}): the table reads "
+            "them and a clean checkout will not; commit them with it",
+            file=sys.stderr,
+        )
     if args.write:
         DOC.write_text(claims.replace(DOC.read_text(encoding="utf-8"), new), encoding="utf-8")
         print(f"wrote the claims table to {DOC}")

@@ -441,3 +441,28 @@ def test_the_drift_rows_set_the_drift_laws_qwen3_value_beside_the_papers(tmp_pat
     assert "Drift law (`drift_scaling`): 42 of 51 runs" in here and verdict.endswith(
         "at Qwen3-30B-A3B's scale: pending"
     )
+
+
+def test_finished_runs_that_git_does_not_track_are_named(tmp_path):
+    """What `scripts/claims.py` warns of: a finished run under results/ whose metrics are not committed
+    (a committed one, a running one, an ignored one and a non-checkout are not named)."""
+    import json
+    import subprocess
+
+    def run(name: str, status: str) -> None:
+        d = tmp_path / "results" / "s" / "runs" / name
+        d.mkdir(parents=True)
+        (d / "metrics.jsonl").write_text("{}\n")
+        (d / sweeps.STATE_FILE).write_text(json.dumps({"status": status}))
+
+    assert claims.uncommitted_runs(tmp_path) == []  # not a git checkout
+    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=tmp_path, check=True)  # noqa: E731
+    git("init", "-q")
+    run("committed", "done")
+    git("add", "results")
+    git("commit", "-qm", "runs")
+    run("finished", "done")
+    run("running", "running")
+    run("ignored", "done")
+    (tmp_path / ".gitignore").write_text("results/s/runs/ignored/\n")
+    assert claims.uncommitted_runs(tmp_path) == ["results/s/runs/finished"]

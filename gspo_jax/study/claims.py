@@ -14,7 +14,9 @@ whose CLAIMS give each claim, the sweeps that reproduce it, and its row, a funct
 from __future__ import annotations
 
 import functools
+import json
 import math
+import subprocess
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -161,6 +163,25 @@ def table(repo: str | Path, claims: Sequence[Claim]) -> str:
         here, verdict, limits = c.row(res)
         rows.append("| " + " | ".join((c.claim, c.paper, here, verdict, limits, reproduce(c.sweeps))) + " |")
     return "\n".join([BEGIN, *rows, END]) + "\n"
+
+
+def uncommitted_runs(repo: str | Path) -> list[str]:
+    """Finished runs under `repo`/results whose metrics git does not track: a table built while they are
+    on disk reads them, and no clean checkout has them until they are committed. [] outside a git checkout."""
+    repo = Path(repo)
+    cmd = ["git", "ls-files", "--others", "--exclude-standard", "--", "results"]
+    try:
+        out = subprocess.run(cmd, cwd=repo, capture_output=True, text=True, timeout=60, check=True).stdout
+    except (OSError, subprocess.SubprocessError):
+        return []
+    runs = []
+    for line in out.splitlines():
+        run = (repo / line).parent
+        if Path(line).name == "metrics.jsonl" and (run / sweeps.STATE_FILE).is_file():
+            state = json.loads((run / sweeps.STATE_FILE).read_text(encoding="utf-8"))
+            if state.get("status") == "done":
+                runs.append(str(Path(line).parent))
+    return sorted(runs)
 
 
 def current(doc: str) -> str:
