@@ -426,7 +426,7 @@ def test_the_drift_rows_set_the_drift_laws_qwen3_value_beside_the_papers(tmp_pat
     w = claims.pct(truth(drift_law.QWEN3, "drift_slot_change_rate"))  # every metric follows the same law
     assert w == "90.7%"  # logit(0.2) + 0.8 ln 6 + 0.3 ln 2 + 0.5 ln 4 + 0.4 ln(1000/36)
     here, verdict, _ = study._drift(WithDriftLaw(tmp_path))
-    assert "Drift law (`drift_scaling`, 51 runs) at Qwen3-30B-A3B" in here
+    assert "Drift law (`drift_scaling`, 51 of 51 runs) at Qwen3-30B-A3B" in here
     assert f"slots moved per iteration {w} ({w} to {w}; center cell 20.0%)" in here
     assert verdict.endswith("; at Qwen3-30B-A3B's scale (the drift law) above the reported 10%")
     _, verdict, _ = study._mismatch(WithDriftLaw(tmp_path))
@@ -434,13 +434,16 @@ def test_the_drift_rows_set_the_drift_laws_qwen3_value_beside_the_papers(tmp_pat
         "routers at Qwen3-30B-A3B's scale (the drift law) above the reported 10%; "
         "tokens at Qwen3-30B-A3B's scale (the drift law) below the reported 94%"  # 90.7% < 94%
     )
+    shutil.rmtree(tmp_path / "runs" / "grpo-num_layers=2-seed=2")  # a seed short: the value as it stands
+    here, verdict, _ = study._drift(WithDriftLaw(tmp_path))
+    assert "(`drift_scaling`, 50 of 51 runs) at Qwen3-30B-A3B (48 MoE layers, 128 experts, top-8" in here
+    assert verdict.endswith("at Qwen3-30B-A3B's scale: pending (50 of 51 runs)")
     for d in tmp_path.joinpath("runs").iterdir():
         if "top_k" in d.name:
             shutil.rmtree(d)
     here, verdict, _ = study._drift(WithDriftLaw(tmp_path))
-    assert "Drift law (`drift_scaling`): 42 of 51 runs" in here and verdict.endswith(
-        "at Qwen3-30B-A3B's scale: pending"
-    )
+    assert "Drift law (`drift_scaling`): 41 of 51 runs" in here
+    assert verdict.endswith("at Qwen3-30B-A3B's scale: pending (41 of 51 runs)")
 
 
 def test_finished_runs_that_git_does_not_track_are_named(tmp_path):

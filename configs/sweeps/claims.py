@@ -37,13 +37,14 @@ DRIFT_LAW = "drift_scaling"  # configs/sweeps/drift_scaling.py: drift against de
 def _at_qwen3(res: Results, reported: dict[str, tuple[str, float]]) -> tuple[str, dict[str, str]]:
     """(a sentence, metric -> verdict) of each metric of `reported` (its words, the value a paper reports for
     its own model) extrapolated by the drift law (gspo_jax.study.drift_law, as `scripts/drift_law.py` fits
-    it) to Qwen3-30B-A3B, each set beside what the paper reports."""
+    it) to Qwen3-30B-A3B, each set beside what the paper reports. Until every run of the sweep is in (the
+    seeds its analysis states) the value is shown as it stands and the verdict is pending."""
     runs = [r for rs in res.arms(DRIFT_LAW).values() for r in rs]
+    total = len(sweeps.load_sweep(res.repo / "configs" / "sweeps" / f"{DRIFT_LAW}.py", res.repo).runs)
     pts = drift_law.points(runs)
     laws = {m: drift_law.law(pts, m) for m in reported}
+    pending = {m: f"at Qwen3-30B-A3B's scale: pending ({len(runs)} of {total} runs)" for m in reported}
     if any(w is None for w in laws.values()):
-        total = len(sweeps.load_sweep(res.repo / "configs" / "sweeps" / f"{DRIFT_LAW}.py", res.repo).runs)
-        pending = {m: "at Qwen3-30B-A3B's scale: pending" for m in reported}
         return f". Drift law (`{DRIFT_LAW}`): {len(runs)} of {total} runs", pending
     values, verdicts = [], {}
     for m, (words, paper) in reported.items():
@@ -51,9 +52,9 @@ def _at_qwen3(res: Results, reported: dict[str, tuple[str, float]]) -> tuple[str
         values.append(f"{words} {pct(w.qwen3)} ({pct(w.qwen3_lo)} to {pct(w.qwen3_hi)}; center cell {pct(w.center)})")
         place = "within" if w.qwen3_lo <= paper <= w.qwen3_hi else "below" if w.qwen3_hi < paper else "above"
         verdicts[m] = f"at Qwen3-30B-A3B's scale (the drift law) {place} the reported {pct(paper, 0)}"
-    head = f". Drift law (`{DRIFT_LAW}`, {len(runs)} runs) at Qwen3-30B-A3B "
+    head = f". Drift law (`{DRIFT_LAW}`, {len(runs)} of {total} runs) at Qwen3-30B-A3B "
     head += "(48 MoE layers, 128 experts, top-8, ~1,000 tokens): "
-    return head + "; ".join(values), verdicts
+    return head + "; ".join(values), verdicts if len(runs) == total else pending
 
 
 def _drift(res: Results) -> tuple[str, str, str]:
