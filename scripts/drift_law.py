@@ -28,7 +28,8 @@ def main(argv=None) -> int:
     pts = drift_law.points(report.collect(sweeps.load_sweep(SWEEP, REPO), root))
     laws = [w for m in drift_law.METRICS if (w := drift_law.law(pts, m, boot=args.boot)) is not None]
     if not laws:
-        print(f"drift_law: {len(pts)} finished runs under {root}: not yet a center cell and every dial's cells")
+        lacking = ", ".join(drift_law.missing(pts)) or "a finite value of every metric"
+        print(f"drift_law: {len(pts)} finished runs under {root}: no law yet; it lacks {lacking}")
         return EXIT_FAILED
     print(drift_law.table(laws), end="")
     if args.write:

@@ -106,3 +106,6 @@ def test_without_every_dials_cells_there_is_no_law(tmp_path):
     sweep = write_workroot(tmp_path, noise=0.0)
     pts = [p for p in dl.points(report.collect(sweep, tmp_path)) if p.moves != "top_k"]
     assert dl.law(pts, "drift_slot_change_rate") is None
+    assert dl.missing(pts) == ["top_k"]  # the center alone is one cell: no line
+    assert dl.missing([p for p in pts if p.moves == "experts"]) == ["the center cell", "moe_layers", "top_k", "length"]
+    assert dl.missing(dl.points(report.collect(sweep, tmp_path))) == []

@@ -119,6 +119,13 @@ def cells_of(pts: Sequence[Point], dial: str) -> list[str]:
     return sorted({p.arm for p in pts if p.moves in (dial, None)})
 
 
+def missing(pts: Sequence[Point]) -> list[str]:
+    """What a law still lacks: the center cell, and each dial with fewer than two cells (its moved arms
+    and the center) to draw a line through."""
+    out = [] if any(p.moves is None for p in pts) else ["the center cell"]
+    return out + [d for d in DIALS if len(cells_of(pts, d)) < 2]
+
+
 @dataclass(frozen=True)
 class Fit:
     slope: float
