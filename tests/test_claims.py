@@ -438,6 +438,7 @@ def test_the_drift_rows_set_the_drift_laws_qwen3_value_beside_the_papers(tmp_pat
     here, verdict, _ = study._drift(WithDriftLaw(tmp_path))
     assert "(`drift_scaling`, 50 of 51 runs) at Qwen3-30B-A3B (48 MoE layers, 128 experts, top-8" in here
     assert verdict.endswith("at Qwen3-30B-A3B's scale: pending (50 of 51 runs)")
+    assert f"slots moved per iteration {w} (no interval yet; center cell 20.0%)" in here
     for d in tmp_path.joinpath("runs").iterdir():
         if "top_k" in d.name:
             shutil.rmtree(d)

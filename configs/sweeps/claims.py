@@ -49,7 +49,9 @@ def _at_qwen3(res: Results, reported: dict[str, tuple[str, float]]) -> tuple[str
     values, verdicts = [], {}
     for m, (words, paper) in reported.items():
         w = laws[m]
-        values.append(f"{words} {pct(w.qwen3)} ({pct(w.qwen3_lo)} to {pct(w.qwen3_hi)}; center cell {pct(w.center)})")
+        # Before every seed is in, a cell of one seed makes the bootstrap interval zero-wide: none is shown.
+        spread = f"{pct(w.qwen3_lo)} to {pct(w.qwen3_hi)}; " if len(runs) == total else "no interval yet; "
+        values.append(f"{words} {pct(w.qwen3)} ({spread}center cell {pct(w.center)})")
         place = "within" if w.qwen3_lo <= paper <= w.qwen3_hi else "below" if w.qwen3_hi < paper else "above"
         verdicts[m] = f"at Qwen3-30B-A3B's scale (the drift law) {place} the reported {pct(paper, 0)}"
     head = f". Drift law (`{DRIFT_LAW}`, {len(runs)} of {total} runs) at Qwen3-30B-A3B "
