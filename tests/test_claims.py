@@ -398,6 +398,8 @@ def test_the_staleness_row_pairs_each_lag_with_k0_and_applies_the_margin(cost, w
     assert limits.startswith("5 seeds, which resolve paired differences beyond ±")
     _, pending, _ = study._staleness(SweepGrid({study.STALENESS: acc}, seeds=range(2)))
     assert pending == "Pending: the staleness sweep has 2 of 5 seeds"
+    _, _, one = study._staleness(SweepGrid({study.STALENESS: acc}, seeds=range(1)))
+    assert one.startswith("1 seed, which give no interval yet (the margin is ±3)")  # not "±0.0": one seed has none
 
 
 class WithDriftLaw(claims.Results):

@@ -708,8 +708,11 @@ def _staleness(res: Results) -> tuple[str, str, str]:
     here = "; ".join(f"{a.upper()} k={lag} − k=0 {d[a, lag].text()}{flipped((a, lag))}" for a, lag in d)
     if k >= STALENESS_SEEDS:
         verdict = "; ".join(f"{a.upper()} k={lag} {_costs(d[a, lag])}" for a, lag in d if lag <= 2)
+    resolve = (
+        f"resolve paired differences beyond ±{widths(list(d.values()))} points" if k >= 2 else "give no interval yet"
+    )
     limits = (
-        f"{k} seeds, which resolve paired differences beyond ±{widths(list(d.values()))} points (the margin is ±3); "
+        f"{k} seed{'s' * (k > 1)}, which {resolve} (the margin is ±3); "
         "the main job (3 MoE layers × 8 experts, ~8-token completions, 150 iterations); one mesh: the lag's "
         "off-policyness, not an asynchronous trainer's timing"
     )

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import numpy as np
 from matplotlib.figure import Figure
+from matplotlib.ticker import NullFormatter
 
 from gspo_jax.study import analysis
 from gspo_jax.study.report import RunResult
@@ -248,6 +249,9 @@ def figure(pts: Sequence[Point], laws: Mapping[str, Law], path: Path) -> Path:
             ax.plot(grid, inverse(f.intercept + f.slope * np.log(grid), scale), color="C1")
             ax.set_xscale("log")
             ax.set_yscale("log")
+            ax.xaxis.set_minor_formatter(NullFormatter())  # top-k's 2-8 would print overlapping labels
+            if len(set(xs)) <= 6:  # a dial's few set values (not length, measured per run) label its ticks
+                ax.set_xticks(sorted(set(xs)), [f"{x:g}" for x in sorted(set(xs))], fontsize=7)
             ax.set_title(f"{metric}\nslope {f.slope:+.2f}", fontsize=8)
             ax.set_xlabel(dial, fontsize=8)
     path.parent.mkdir(parents=True, exist_ok=True)
