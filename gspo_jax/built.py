@@ -287,6 +287,15 @@ def build(config: ml_collections.ConfigDict, device_count: int | None = None) ->
         processes=processes,
         num_experts=num_experts,
     )
+    if rollout_mesh is not None and processes > 1:  # a split over hosts moves arrays between like layouts
+        same = rollout_mesh.axes() == mesh.axes()
+        check(
+            same,
+            "config",
+            "mesh.rollout",
+            rollout_mesh.axes(),
+            f"the trainer's axes {mesh.axes()} on several processes",
+        )
     _check_lengths(config, task, model_cfg, loss_cfg)
     micro = resolve_microbatches(
         batch // train.minibatches,

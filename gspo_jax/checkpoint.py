@@ -68,8 +68,17 @@ class Checkpointer:
     """
 
     def __init__(
-        self, directory: str | os.PathLike, *, max_to_keep: int | None = 3, save_every: int = 1, async_save: bool = True
+        self,
+        directory: str | os.PathLike,
+        *,
+        max_to_keep: int | None = 3,
+        save_every: int = 1,
+        async_save: bool = True,
+        bridge=None,
     ):
+        """`bridge` (`hosts.Bridge`, a split over hosts): arrays held by one side's processes are saved
+        mirrored on both sides' devices and restored back onto their own side's."""
+        self._bridge = bridge
         if save_every < 1:
             raise ValueError(f"save_every must be >= 1, got {save_every}")
         directory = os.fspath(directory)
@@ -103,6 +112,8 @@ class Checkpointer:
         if steps and step < max(steps):
             log.warning("Not saving step %d: %s already holds newer step %d.", step, self.directory, max(steps))
             return False
+        if self._bridge is not None:
+            state = self._bridge.mirror(state)
         # force=True: the save_every decision above is the only one; orbax's own policy is bypassed.
         saved = self._manager.save(
             step,
@@ -194,11 +205,12 @@ class Checkpointer:
         if not (self.directory / str(step) / _COMMIT_MARKER).exists():
             raise FileNotFoundError(f"step {step} has no {_COMMIT_MARKER}: save never finished")
         self._verify(step)
+        target = abstract_state if self._bridge is None else self._bridge.widen(abstract_state)
         restored = self._manager.restore(
             step,
             args=ocp.args.Composite(
                 **{
-                    STATE_ITEM: ocp.args.StandardRestore(abstract_state),
+                    STATE_ITEM: ocp.args.StandardRestore(target),
                     META_ITEM: ocp.args.JsonRestore(),
                 }
             ),
@@ -206,7 +218,8 @@ class Checkpointer:
         meta = restored[META_ITEM]
         if not isinstance(meta, dict):
             raise ValueError(f"step {step}: meta is {type(meta).__name__}, not a dict")
-        return restored[STATE_ITEM], meta
+        state = restored[STATE_ITEM]
+        return (state if self._bridge is None else self._bridge.narrow(state, abstract_state)), meta
 
     def restore_latest(self, abstract_state: Any) -> tuple[int, Any, dict] | None:
         """Restores the newest step that restores cleanly: `(step, state, meta)`, or None.

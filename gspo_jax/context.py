@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gspo_jax import built as built_lib
-from gspo_jax import checkpoint, compiles, overlap, staleness
+from gspo_jax import checkpoint, compiles, hosts, overlap, staleness
 from gspo_jax import model as model_lib
 from gspo_jax import programs as programs_lib
 from gspo_jax import sharding as sharding_lib
@@ -43,6 +43,16 @@ class RunContext:
     # `mesh.rollout_devices`: the sampler's own mesh, and the rollout drawn there ahead of the update
     sampler_mesh: jax.sharding.Mesh | None = None
     ahead: overlap.RolloutAhead | None = None
+    bridge: hosts.Bridge | None = None  # the sampler's mesh on hosts of its own: how arrays cross
+
+    @property
+    def trains(self) -> bool:
+        """Whether this process runs the trainer's programs (all but a split over hosts' sampler's)."""
+        return self.bridge is None or self.ahead.trains
+
+    def move(self, tree, shardings):
+        """`tree` to `shardings` on the other mesh of a split (`jax.device_put`; across hosts the bridge)."""
+        return jax.device_put(tree, shardings) if self.bridge is None else self.bridge.move(tree, shardings)
 
     def start(self, params, restored: tuple[TrainState, staleness.PolicyLag] | None = None) -> TrainState:
         """The train state the run starts from, `restored` from a checkpoint or fresh from `params` (it
@@ -56,10 +66,10 @@ class RunContext:
         shardings = self.lag_shardings()
         if restored is not None:
             state, lag = restored
-            self.lag = lag if shardings is None else staleness.PolicyLag(lag.policies, shardings)
+            self.lag = lag if shardings is None else staleness.PolicyLag(lag.policies, shardings, self.move)
             return state
         state = programs_lib.init_train_state(self.programs, params, self.built.seed)
-        self.lag = staleness.PolicyLag.fresh(self.built.rollout.staleness, state.params, shardings)
+        self.lag = staleness.PolicyLag.fresh(self.built.rollout.staleness, state.params, shardings, self.move)
         return state
 
     def lag_shardings(self):
@@ -74,7 +84,7 @@ class RunContext:
         sampler's mesh when it has its own."""
         if self.sampler_mesh is None:
             return params
-        return jax.device_put(params, self.programs.state_shardings.params)
+        return self.move(params, self.programs.state_shardings.params)
 
     def prompts_state(self):
         """The train prompt stream's position as a checkpoint records it: before a rollout drawn ahead."""
@@ -116,12 +126,14 @@ def set_up(built: built_lib.Built, mesh: jax.sharding.Mesh | None = None) -> tup
     base_graphdef, params = programs_lib.init_policy(built, mesh)
     graphdef, policy = (base_graphdef, params) if not built.plan.lora else programs_lib.abstract_policy(built)
     programs = programs_lib.compile_programs(built, graphdef, policy, mesh)
-    programs = programs_lib.compile_in_background(programs, built, policy)
+    if sampler_mesh is None or hosts.holds(mesh):  # across hosts the sampler's processes never train
+        programs = programs_lib.compile_in_background(programs, built, policy)
     rollout = make_rollout(built, graphdef, programs.policy if built.plan.lora else params, sampler_mesh or mesh)
     prompts = prompt_iterator(built.task, seed=built.seed, split="train")
     ctx = RunContext(built, mesh, graphdef, programs, rollout, prompts, base_graphdef=base_graphdef)
     if sampler_mesh is not None:
-        ctx.sampler_mesh, ctx.ahead = sampler_mesh, overlap.RolloutAhead(rollout, prompts, mesh)
+        ctx.bridge = hosts.Bridge(mesh, sampler_mesh) if hosts.split(mesh, sampler_mesh) else None
+        ctx.sampler_mesh, ctx.ahead = sampler_mesh, overlap.RolloutAhead(rollout, prompts, mesh, ctx.bridge)
     return ctx, params
 
 

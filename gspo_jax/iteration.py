@@ -56,19 +56,25 @@ def rl_iteration(ctx: RunContext, state: TrainState, iteration: int) -> tuple[Tr
     """One RL iteration (see the module docstring) of the run `ctx`; returns the new state and the
     iteration's metrics. With `rollout.staleness` = k > 0 the lag's oldest policy samples the batch and
     is π_old, its routing drift to today's policy is logged (`stale_*`), and today's joins the lag
-    before the update."""
+    before the update. Across hosts (`ctx.bridge`) every process calls it: the trainer's programs and
+    what reads them run where the trainer is (`ctx.trains`), the moves between the meshes everywhere."""
     programs, train, lag = ctx.programs, ctx.built.train, ctx.lag
-    key = _key(state, iteration)
+    key = _key(ctx, state, iteration)
     phases = Phases()
     # Under LoRA the lag holds adapters: the behaviour policy is today's base with the lagged ones.
     behaviour = state.policy if lag is None else state.with_adapters(lag.behaviour(state.params))
     with phases("rollout"):
         batch, metrics, drawn = _draw(ctx, behaviour, iteration, key)
+    full = None
     with phases("logprob"):  # with a sampler mesh, π_old is scored with the trainer's own copy of it
-        full, mismatch_metrics = prepare_batch(ctx, ctx.on_trainer(behaviour), batch, ctx.reference_policy(state))
-        metrics.update(mismatch_metrics)
+        behaviour = ctx.on_trainer(behaviour)
+        if ctx.trains:
+            full, mismatch_metrics = prepare_batch(ctx, behaviour, batch, ctx.reference_policy(state))
+            metrics.update(mismatch_metrics)
         del behaviour  # the lag's oldest copy is freed once its work is done: k copies at most
-        if programs.estimate is not None:  # PPO: the critic's values and GAE replace the group advantages
+        if (
+            programs.estimate is not None and ctx.trains
+        ):  # PPO: the critic's values and GAE replace the group advantages
             rewards = jax.device_put(batch.rewards, sharding_lib.field_sharding(programs.mesh, "rewards"))
             full, estimated = programs.estimate(state.critic.params, full, rewards)  # host rewards, everywhere alike
             metrics.update({k: float(v) for k, v in jax.device_get(estimated).items()})
@@ -76,23 +82,25 @@ def rl_iteration(ctx: RunContext, state: TrainState, iteration: int) -> tuple[Tr
     with phases("drift"):
         if lag is not None and lag.k:
             metrics.update(_lag_step(ctx, state, full, iteration, drift_rows))
-    with phases("update"):
-        router_before = [jnp.copy(x) for x in optimizer_lib.router_leaves(state.params)]  # the update donates them
-        state, full, step_metrics = _updates(programs, train, state, full, key)
-        if programs.on_policy and not ctx.built.plan.sampler_routing:  # π_old's forward, routed live
-            metrics.update(mismatch.sampler_mismatch(batch, full.old_logp, full.topk))
-        host = [jax.tree.map(_float64, s) for s in jax.device_get(step_metrics)]  # float64 from here
-        metrics.update(metrics_lib.compute(functools.reduce(metrics_lib.merge, host)))
+    router_before = []
+    if ctx.trains:
+        with phases("update"):
+            router_before = [jnp.copy(x) for x in optimizer_lib.router_leaves(state.params)]  # the update donates them
+            state, full, step_metrics = _updates(programs, train, state, full, key)
+            if programs.on_policy and not ctx.built.plan.sampler_routing:  # π_old's forward, routed live
+                metrics.update(mismatch.sampler_mismatch(batch, full.old_logp, full.topk))
+            host = [jax.tree.map(_float64, s) for s in jax.device_get(step_metrics)]  # float64 from here
+            metrics.update(metrics_lib.compute(functools.reduce(metrics_lib.merge, host)))
     if ctx.ahead is not None:  # today's parameters start towards the sampler's mesh at once
         lag.stage(state.params)
     if router_before:  # 0 exactly with `train.freeze_router`
         router_after = optimizer_lib.router_leaves(state.params)
         metrics["router_update_norm"] = float(optimizer_lib.distance(router_before, router_after))
-    if metrics["skipped"]:
+    if metrics.get("skipped"):
         what = "iteration %d: %d of %d updates skipped (non-finite loss, gradient or update)"
         log.warning(what, iteration, metrics["skipped"], train.epochs * train.minibatches)
     with phases("drift"):
-        if train.drift_metrics:
+        if train.drift_metrics and ctx.trains:
             sub = full if train.drift_subsample == 1 else programs.take(full, drift_rows)
             drift = programs.drift(state.policy, sub)
             metrics.update(routing.drift_to_log(drift))
@@ -106,33 +114,40 @@ def rl_iteration(ctx: RunContext, state: TrainState, iteration: int) -> tuple[Tr
 
 def _draw(ctx: RunContext, behaviour, iteration: int, key):
     """The iteration's batch (on the trainer's mesh) and rollout metrics, and the `overlap.Drawn` when it
-    was drawn ahead during the last update (`ctx.ahead`), else drawn now with `behaviour`."""
+    was drawn ahead during the last update (`ctx.ahead`), else drawn now with `behaviour` (across hosts
+    through `ctx.ahead` too: the sampler's processes draw it, then it crosses)."""
     drawn = None if ctx.ahead is None else ctx.ahead.take(iteration)
+    if drawn is None and ctx.bridge is not None:
+        ctx.ahead.start(iteration, behaviour, jax.random.fold_in(key, 0))
+        drawn = ctx.ahead.take(iteration)
     if drawn is not None:
         return drawn.batch, drawn.metrics, drawn
     batch, metrics = ctx.rollout(behaviour, ctx.prompts, jax.random.fold_in(key, 0))
     return (batch if ctx.sampler_mesh is None else overlap.batch_to(batch, ctx.mesh)), metrics, None
 
 
-def _lag_step(ctx: RunContext, state: TrainState, full: TrainBatch, iteration: int, drift_rows) -> dict[str, float]:
+def _lag_step(ctx: RunContext, state: TrainState, full, iteration: int, drift_rows) -> dict[str, float]:
     """Staleness k > 0, before the update: the lag and the drift of today's policy against the batch's
     behaviour policy (`stale_*`); then today's policy joins the lag, whose oldest is the next batch's
     behaviour policy: with a sampler mesh that batch starts drawing now (`ctx.ahead`)."""
     programs, train, lag = ctx.programs, ctx.built.train, ctx.lag
     metrics = dict(staleness=float(lag.k), policy_lag=float(staleness.policy_lag(lag.k, iteration)))
-    if train.drift_metrics:
+    if train.drift_metrics and ctx.trains:
         sub = full if train.drift_subsample == 1 else programs.take(full, drift_rows)
         metrics.update(staleness.drift_to_log(programs.drift(state.policy, sub)))
     lag.advance(state.params)
     if ctx.ahead is not None and iteration + 1 < train.num_iterations:
-        next_key = jax.random.fold_in(_key(state, iteration + 1), 0)
+        next_key = jax.random.fold_in(_key(ctx, state, iteration + 1), 0)
         ctx.ahead.start(iteration + 1, lag.behaviour(state.params), next_key)
     return metrics
 
 
-def _key(state: TrainState, iteration: int):
-    """Iteration `iteration`'s key (its rollout draws from `fold_in(key, 0)`)."""
-    return jax.random.fold_in(jax.random.wrap_key_data(state.rng), iteration)
+def _key(ctx: RunContext, state: TrainState, iteration: int):
+    """Iteration `iteration`'s key (its rollout draws from `fold_in(key, 0)`). Across hosts from the seed
+    on the host (`TrainState.rng` is `init_train_state`'s key of it, never updated), as the sampler's
+    processes hold none of the state."""
+    rng = state.rng if ctx.bridge is None else jax.random.key_data(jax.random.key(ctx.built.seed))
+    return jax.random.fold_in(jax.random.wrap_key_data(rng), iteration)
 
 
 def _float64(x):

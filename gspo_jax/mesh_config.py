@@ -7,6 +7,8 @@ from __future__ import annotations
 import dataclasses
 import math
 
+import jax
+
 from gspo_jax.validation import ConfigError, check, is_int
 
 
@@ -39,7 +41,32 @@ def check_split(rollout_devices, devices: int, processes: int, staleness: int, l
         return
     check(staleness >= 1, "config", key, n, "0 with rollout.staleness=0 (the sampler and trainer could never overlap)")
     check(not lora, "config", key, n, "0 with LoRA (a sampler mesh of its own would need the base copied there)")
-    check(processes == 1, "config", key, n, f"0 on {processes} processes (a split over hosts is not built yet)")
+    if processes > 1:  # a split over hosts (`hosts.py`): whole processes each side, one layout
+        per = devices // processes
+        check(
+            2 * n == devices,
+            "config",
+            key,
+            n,
+            f"{devices // 2} on {processes} processes (the two meshes share one layout)",
+        )
+        check(
+            n % per == 0, "config", key, n, f"a multiple of the {per} devices a process holds (whole hosts each side)"
+        )
+        check(gloo_splits(), "config", key, n, "0 on several CPU processes before jax 0.12 (" + GLOO_HANG + ")")
+
+
+# Measured (2 CPU processes × 2 devices, gloo): with jax 0.10.2 and 0.11.0 two processes running collectives
+# on their own meshes at once both hang; with 0.12.0.1 they run.
+GLOO_HANG = "gloo hangs two processes running collectives on disjoint meshes at once"
+
+
+def gloo_splits() -> bool:
+    """Whether JAX's CPU collectives let two meshes on disjoint processes run at once (jax >= 0.12; an
+    accelerator's collectives are not gloo's)."""
+    if jax.default_backend() != "cpu":
+        return True
+    return tuple(int(p) for p in jax.__version__.split(".")[:2]) >= (0, 12)
 
 
 def check_mesh(

@@ -9,6 +9,7 @@ With one process every function here is the obvious identity.
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import jax
@@ -62,19 +63,35 @@ def to_local(x, rows: np.ndarray) -> np.ndarray:
     return out
 
 
-def gather_rows(local: np.ndarray, rows: np.ndarray, n: int) -> np.ndarray:
+def gather_rows(local: np.ndarray, rows: np.ndarray, n: int, sharding: NamedSharding | None = None) -> np.ndarray:
     """The whole [n, ...] host array on every process, from each process's rows (small arrays only:
-    rewards, lengths, flags)."""
+    rewards, lengths, flags). With `sharding` (the rows' own, `local_rows`') on a mesh of only some of
+    the processes (a sampler's of its own, `hosts.py`), on those processes: gathered on that mesh."""
     local = np.asarray(local)
-    if jax.process_count() == 1:
+    some = sharding is not None and len({d.process_index for d in sharding.mesh.devices.flat}) < jax.process_count()
+    if jax.process_count() == 1 or (some and len(rows) == n):
         out = np.empty((n, *local.shape[1:]), local.dtype)
         out[rows] = local
         return out
+    if some:
+        spread = put_rows(local, rows, NamedSharding(sharding.mesh, PartitionSpec(sharding.spec[0])), n)
+        whole = _replicate(spread, NamedSharding(sharding.mesh, PartitionSpec()))
+        return np.asarray(whole.addressable_shards[0].data)
     values = multihost_utils.process_allgather(local)  # [processes, rows per process, ...]
     indices = multihost_utils.process_allgather(np.asarray(rows))
     out = np.empty((n, *local.shape[1:]), local.dtype)
     out[indices.reshape(-1)] = values.reshape(-1, *local.shape[1:])
     return out
+
+
+def _replicate(x: jax.Array, sharding: NamedSharding) -> jax.Array:
+    return _identity(sharding)(x)
+
+
+@functools.cache
+def _identity(sharding: NamedSharding):
+    """One compiled identity per target sharding (an all-gather when it replicates)."""
+    return jax.jit(lambda v: v, out_shardings=sharding)
 
 
 def replicated(x, mesh) -> jax.Array:

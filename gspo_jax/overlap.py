@@ -18,6 +18,7 @@ from typing import Any, NamedTuple
 import jax
 
 from gspo_jax import built as built_lib
+from gspo_jax import hosts
 from gspo_jax import sharding as sharding_lib
 from gspo_jax.rollout import Rollout, RolloutBatch
 
@@ -54,24 +55,44 @@ class Drawn(NamedTuple):
 class RolloutAhead:
     """One rollout at a time, on a thread: `start` draws iteration i's batch with the given policy, `take`
     waits for it. The thread's device work runs on the sampler's mesh, its host work (decoding, rewards)
-    off the main thread; the batch is moved to `trainer_mesh` there too."""
+    off the main thread; the batch is moved to `trainer_mesh` there too.
 
-    def __init__(self, rollout: Rollout, prompts: Any, trainer_mesh: jax.sharding.Mesh):
-        self._rollout, self._prompts, self._mesh = rollout, prompts, trainer_mesh
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead")
-        self._pending: tuple[int, Any, concurrent.futures.Future] | None = None
+    Across hosts (`bridge`, `hosts.py`) there is no thread: every process runs the loop, and `start`
+    draws the batch at once on the sampler's processes (the trainer's go on to the update), `take` is
+    where the two sides meet: the batch's arrays cross by the bridge, its host values (rewards,
+    advantages, metrics, the prompt stream's position after it) by a channel."""
+
+    def __init__(self, rollout: Rollout, prompts: Any, trainer_mesh: jax.sharding.Mesh, bridge=None):
+        self._rollout, self._prompts, self._mesh, self._bridge = rollout, prompts, trainer_mesh, bridge
+        self._pending: tuple[int, Any, Any] | None = None
+        if bridge is None:
+            self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="rollout-ahead")
+            return
+        sampler = rollout.sampler.mesh
+        self.samples, self.trains = hosts.holds(sampler), hosts.holds(trainer_mesh)
+        self._lead = jax.process_index() == hosts.processes(sampler)[0]  # it sends the sampler's host values
+        self._batches, self._evaluations = hosts.Channel("rollout"), hosts.Channel("evaluation")
 
     def start(self, iteration: int, policy, key) -> None:
         """Starts drawing `iteration`'s batch with `policy` (on the sampler's mesh) and `key`."""
         if self._pending is not None:
             raise RuntimeError(f"a rollout for iteration {self._pending[0]} is still in flight")
         before = self._prompts.state()
-        self._pending = (iteration, before, self._pool.submit(self._draw, policy, key))
+        if self._bridge is None:
+            self._pending = (iteration, before, self._pool.submit(self._draw, policy, key))
+        else:  # drawn now, where the sampler's devices are; the trainer's processes only count it
+            self._pending = (iteration, before, self._draw_here(policy, key) if self.samples else None)
 
     def _draw(self, policy, key) -> tuple[RolloutBatch, dict[str, float], float]:
         t0 = time.perf_counter()
         batch, metrics = self._rollout(policy, self._prompts, key)
         batch = batch_to(batch, self._mesh)
+        jax.block_until_ready([getattr(batch, f.name) for f in dataclasses.fields(batch)])
+        return batch, metrics, time.perf_counter() - t0
+
+    def _draw_here(self, policy, key) -> tuple[RolloutBatch, dict[str, float], float]:
+        t0 = time.perf_counter()
+        batch, metrics = self._rollout(policy, self._prompts, key)
         jax.block_until_ready([getattr(batch, f.name) for f in dataclasses.fields(batch)])
         return batch, metrics, time.perf_counter() - t0
 
@@ -84,13 +105,49 @@ class RolloutAhead:
             raise RuntimeError(f"the rollout in flight is iteration {started}'s, not {iteration}'s")
         self._pending = None  # taken, whether it drew its batch or raised
         t0 = time.perf_counter()
-        batch, metrics, busy = future.result()
+        if self._bridge is None:
+            batch, metrics, busy = future.result()
+        else:
+            batch, metrics, busy = self._cross(future)
         return Drawn(batch, metrics, busy, time.perf_counter() - t0)
+
+    def _cross(self, drawn) -> tuple[RolloutBatch, dict[str, float], float]:
+        """A batch drawn on the sampler's processes, on the trainer's mesh (every process calls this)."""
+        if self.samples:
+            batch, metrics, busy = drawn
+            arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
+            arrays = {k: v for k, v in arrays.items() if isinstance(v, jax.Array)}
+            host = {k: v for k, v in dataclasses.asdict(batch).items() if k not in arrays}
+            shapes = {k: (v.shape, v.dtype) for k, v in arrays.items()}
+            message = dict(host=host, metrics=metrics, busy=busy, prompts=self._prompts.state(), shapes=shapes)
+            self._batches.send(message) if self._lead else self._batches.skip()
+        if not self.samples:
+            message = self._batches.recv()
+            self._prompts.restore(message["prompts"])  # where the sampler's stream now stands
+            sh = sharding_lib.field_shardings(self._rollout.sampler.mesh, message["shapes"])
+            arrays = {k: jax.ShapeDtypeStruct(s, d, sharding=sh[k]) for k, (s, d) in message["shapes"].items()}
+        moved = self._bridge.move(arrays, sharding_lib.field_shardings(self._mesh, arrays))
+        batch = RolloutBatch(**moved, **message["host"])
+        return batch, message["metrics"], message["busy"]
+
+    def evaluate(self, evaluation, policy, shardings) -> tuple[dict[str, float], list[dict]]:
+        """`evaluation(policy)` (metrics, samples) where the sampler is, once the rollout in flight is
+        drawn; across hosts `policy` first crosses to `shardings` (the sampler's) and the trainer's
+        processes receive what the sampler's lead process measured."""
+        if self._bridge is None:
+            self.wait()
+            return evaluation(policy)
+        moved = self._bridge.move(policy, shardings)
+        if not self.samples:
+            return self._evaluations.recv()
+        result = evaluation(moved)
+        self._evaluations.send(result) if self._lead else self._evaluations.skip()
+        return result
 
     def wait(self) -> None:
         """Until the rollout in flight is drawn (it stays to be taken): the sampler is then free, e.g. to
         evaluate. A failure in it is raised here."""
-        if self._pending is not None:
+        if self._pending is not None and self._bridge is None:
             self._pending[2].result()
 
     def prompts_state(self):
@@ -100,6 +157,9 @@ class RolloutAhead:
 
     def close(self) -> None:
         """Waits for the rollout in flight (its batch is dropped) and ends the thread."""
+        if self._bridge is not None:
+            self._pending = None
+            return
         if self._pending is not None:
             concurrent.futures.wait([self._pending[2]])
             self._pending = None

@@ -222,7 +222,7 @@ class Rollout:
         lengths = multihost.to_local(out.lengths, rows)
         texts = self.decode_completions(multihost.to_local(out.tokens, rows), lengths)
         raw = np.array([self.task.reward(t, ex) for t, ex in zip(texts, mine)], np.float32)
-        gather = functools.partial(multihost.gather_rows, rows=rows, n=B)
+        gather = functools.partial(multihost.gather_rows, rows=rows, n=B, sharding=sh)
         truncated = gather(multihost.to_local(out.truncated, rows))
         return Sampled(out, gather(raw), gather(lengths), truncated, texts)
 

@@ -72,12 +72,14 @@ def _run(built: built_lib.Built, workdir: Path, *, progress: bool, log_every: in
 
     def evaluate_and_log(step: int, params) -> dict[str, float]:  # the whole policy (`TrainState.policy`)
         if ctx.ahead is not None:  # the sampler evaluates once the next batch, drawn ahead, is done
-            ctx.ahead.wait()
-        metrics, samples = evaluation(params)
+            metrics, samples = ctx.ahead.evaluate(evaluation, params, ctx.lag_shardings())
+        else:
+            metrics, samples = evaluation(params)
         writer.write_samples(step, samples)
         return metrics
 
-    ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=train.keep_checkpoints, save_every=train.checkpoint_every)
+    keep, every = train.keep_checkpoints, train.checkpoint_every
+    ckpt = Checkpointer(workdir / "checkpoints", max_to_keep=keep, save_every=every, bridge=ctx.bridge)
     closing = contextlib.closing(ctx.ahead) if ctx.ahead is not None else contextlib.nullcontext()
     tracked = trackers.open_trackers(built.logging, workdir, built.config_json, built.seed) if is_main else []
     with closing, ckpt, MetricWriter(workdir, trackers=tracked) as writer, PreemptionGuard(sigint=True) as guard:
@@ -85,7 +87,7 @@ def _run(built: built_lib.Built, workdir: Path, *, progress: bool, log_every: in
         k = built.rollout.staleness  # its lagged policies are checkpointed beside the train state
         restored = resume(ckpt, staleness.abstract(abstract, k), ctx.prompts, with_meta=True)  # before any work
         params, warm_start_info = warm_start(  # under LoRA the base, trained as the model without adapters
-            built, ctx.base_graphdef, params, mesh=ctx.mesh, rollout=ctx.rollout, workdir=workdir
+            built, ctx.base_graphdef, params, mesh=ctx.mesh, rollout=ctx.rollout, workdir=workdir, bridge=ctx.bridge
         )
         start = restored[0] if restored else 0
         state = ctx.start(params, staleness.restored(restored[1], abstract) if restored else None)

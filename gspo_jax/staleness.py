@@ -29,22 +29,23 @@ class PolicyLag:
     and `behaviour` is today's policy. Under LoRA it holds the trainable adapters only (`state.params`):
     a lagged policy is the state's base with them (`TrainState.with_adapters`)."""
 
-    def __init__(self, policies: Sequence[Any], shardings=None):
+    def __init__(self, policies: Sequence[Any], shardings=None, move=None):
         """`shardings`: where the copies live (the sampler's mesh, `mesh.rollout_devices`), else where
-        the parameters are; `policies` are moved there."""
-        self._shardings = shardings
-        moved = {id(p): _copy(p, shardings) for p in policies} if shardings is not None else {}
+        the parameters are; `policies` are moved there, by `move(tree, shardings)` (`jax.device_put`;
+        across hosts `hosts.Bridge.move`)."""
+        self._shardings, self._move = shardings, move or jax.device_put
+        moved = {id(p): _copy(p, shardings, self._move) for p in policies} if shardings is not None else {}
         self._queue = collections.deque(moved.get(id(p), p) for p in policies)  # shared slots stay shared
         self._staged = None  # today's parameters, already on their way to `shardings` (`stage`)
 
     @classmethod
-    def fresh(cls, k: int, params, shardings=None) -> PolicyLag:
+    def fresh(cls, k: int, params, shardings=None, move=None) -> PolicyLag:
         """A run's start: all k slots hold the starting parameters (one copy: `params` may be donated)."""
-        start = _copy(params, shardings) if k else None
-        return cls([start] * k)._placed(shardings)
+        start = _copy(params, shardings, move or jax.device_put) if k else None
+        return cls([start] * k)._placed(shardings, move)
 
-    def _placed(self, shardings) -> PolicyLag:
-        self._shardings = shardings
+    def _placed(self, shardings, move) -> PolicyLag:
+        self._shardings, self._move = shardings, move or jax.device_put
         return self
 
     @property
@@ -66,13 +67,13 @@ class PolicyLag:
         if self._queue:
             self._queue.popleft()
             staged, self._staged = self._staged, None
-            self._queue.append(staged if staged is not None else _copy(current, self._shardings))
+            self._queue.append(staged if staged is not None else _copy(current, self._shardings, self._move))
 
     def stage(self, current) -> None:
         """With copies on another mesh: starts moving `current` there as soon as the update has made it,
         for the next `advance` (which is given those same parameters) to take."""
         if self._queue and self._shardings is not None:
-            self._staged = _copy(current, self._shardings)
+            self._staged = _copy(current, self._shardings, self._move)
 
 
 def policy_lag(k: int, iteration: int) -> int:
@@ -81,11 +82,11 @@ def policy_lag(k: int, iteration: int) -> int:
     return min(k, iteration)
 
 
-def _copy(params, shardings=None):
+def _copy(params, shardings=None, move=jax.device_put):
     """A copy of `params` with its own buffers (the train step donates the original): on the same
-    devices and shardings, or moved to `shardings` (another mesh's devices: a copy by itself)."""
+    devices and shardings, or moved to `shardings` by `move` (another mesh's devices: a copy by itself)."""
     if shardings is not None:
-        return jax.device_put(params, shardings)
+        return move(params, shardings)
     return jax.tree.map(lambda x: jax.device_put(jnp.copy(x), x.sharding), params)
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import optax
 
 from gspo_jax import built as built_lib
-from gspo_jax import compiles
+from gspo_jax import compiles, hosts
 from gspo_jax import model as model_lib
 from gspo_jax import optimizer as optimizer_lib
 from gspo_jax import sharding as sharding_lib
@@ -41,10 +41,11 @@ def sft_step(graphdef, tx, schedule, params, opt_state, tokens_BT, positions_BT,
 
 
 def warm_start(
-    built: built_lib.Built, graphdef, params, *, mesh, rollout: Rollout, workdir: Path
+    built: built_lib.Built, graphdef, params, *, mesh, rollout: Rollout, workdir: Path, bridge=None
 ) -> tuple[Any, dict[str, float]]:
     """The warm-started parameters (sharded like `params`) and what to log about it; from the cache
-    (named by `built.warm_start_key`) when an identical warm start already ran.
+    (named by `built.warm_start_key`) when an identical warm start already ran (`bridge`: a split over
+    hosts', `checkpoint.Checkpointer`).
     `warm_start.steps = 0` returns `params` as they are."""
     w = built.warm_start
     if w.steps == 0:
@@ -55,12 +56,15 @@ def warm_start(
     # Runs sharing a cache (a sweep's) take turns: the first trains and saves, the others wait and
     # restore. One process only: on several, every process must take part in the training steps.
     turn = Lock(cache.parent, f".{cache.name}.lock", wait=True) if jax.process_count() == 1 else None
-    with turn or contextlib.nullcontext(), Checkpointer(cache, max_to_keep=1, async_save=False) as ckpt:
+    with turn or contextlib.nullcontext(), Checkpointer(cache, max_to_keep=1, async_save=False, bridge=bridge) as ckpt:
         restored = ckpt.restore_latest(abstract)
         if restored is not None:
             _, params, info = restored
             return params, {**info, "warm_start_cached": 1.0}
-        params, info = train_on_demonstrations(built, graphdef, params, mesh=mesh, rollout=rollout)
+        if bridge is None or hosts.holds(mesh):
+            params, info = train_on_demonstrations(built, graphdef, params, mesh=mesh, rollout=rollout)
+        else:  # the sampler's processes of a split over hosts: the trainer's devices train, none of theirs
+            info = dict(sft_loss_first=float("nan"), sft_loss_last=float("nan"), sft_steps=w.steps)
         ckpt.save(w.steps, params, info, force=True)
     return params, info
 
