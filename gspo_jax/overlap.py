@@ -81,18 +81,14 @@ class RolloutAhead:
         if self._bridge is None:
             self._pending = (iteration, before, self._pool.submit(self._draw, policy, key))
         else:  # drawn now, where the sampler's devices are; the trainer's processes only count it
-            self._pending = (iteration, before, self._draw_here(policy, key) if self.samples else None)
+            self._pending = (iteration, before, self._draw(policy, key, to_trainer=False) if self.samples else None)
 
-    def _draw(self, policy, key) -> tuple[RolloutBatch, dict[str, float], float]:
+    def _draw(self, policy, key, to_trainer: bool = True) -> tuple[RolloutBatch, dict[str, float], float]:
+        """The batch, its metrics and the seconds drawing it took; on the trainer's mesh unless across hosts,
+        where it crosses in `take`."""
         t0 = time.perf_counter()
         batch, metrics = self._rollout(policy, self._prompts, key)
-        batch = batch_to(batch, self._mesh)
-        jax.block_until_ready([getattr(batch, f.name) for f in dataclasses.fields(batch)])
-        return batch, metrics, time.perf_counter() - t0
-
-    def _draw_here(self, policy, key) -> tuple[RolloutBatch, dict[str, float], float]:
-        t0 = time.perf_counter()
-        batch, metrics = self._rollout(policy, self._prompts, key)
+        batch = batch_to(batch, self._mesh) if to_trainer else batch
         jax.block_until_ready([getattr(batch, f.name) for f in dataclasses.fields(batch)])
         return batch, metrics, time.perf_counter() - t0
 
