@@ -72,9 +72,8 @@ def rl_iteration(ctx: RunContext, state: TrainState, iteration: int) -> tuple[Tr
             full, mismatch_metrics = prepare_batch(ctx, behaviour, batch, ctx.reference_policy(state))
             metrics.update(mismatch_metrics)
         del behaviour  # the lag's oldest copy is freed once its work is done: k copies at most
-        if (
-            programs.estimate is not None and ctx.trains
-        ):  # PPO: the critic's values and GAE replace the group advantages
+        # PPO: the critic's values and GAE replace the group advantages
+        if programs.estimate is not None and ctx.trains:
             rewards = jax.device_put(batch.rewards, sharding_lib.field_sharding(programs.mesh, "rewards"))
             full, estimated = programs.estimate(state.critic.params, full, rewards)  # host rewards, everywhere alike
             metrics.update({k: float(v) for k, v in jax.device_get(estimated).items()})
