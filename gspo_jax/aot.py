@@ -16,7 +16,7 @@ import jax
 import jax.numpy as jnp
 
 from gspo_jax import built as built_lib
-from gspo_jax import flops
+from gspo_jax import flops, lora
 from gspo_jax import model as model_lib
 from gspo_jax import programs as programs_lib
 from gspo_jax import sharding as sharding_lib
@@ -210,7 +210,8 @@ def compile_report(config, topology: str, programs: tuple[str, ...] = PROGRAMS) 
             smesh = sharding_lib.make_mesh(**built.rollout_mesh.axes(), devices=devices[cut:])
             sparams = sharding_lib.abstract(abstract, sharding_lib.param_shardings(smesh, abstract))
             sampler = Sampler(graphdef, cfg, B, P, C, mesh=smesh, state=sparams)
-            lagged = built.rollout.staleness * _shard_bytes(sparams)
+            kept = lora.split(sparams)[0] if built.plan.lora else sparams  # LoRA: the lag holds adapters
+            lagged = built.rollout.staleness * _shard_bytes(kept)
             args = (hbm, work, peak, built.rollout_devices, lagged)
             rows.append(_row("sample", "sampler " + _mesh_name(smesh), shape, sampler.lower, (sparams,), *args))
     return rows

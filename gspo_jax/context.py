@@ -14,7 +14,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from gspo_jax import built as built_lib
-from gspo_jax import checkpoint, compiles, hosts, overlap, staleness
+from gspo_jax import checkpoint, compiles, hosts, lora, overlap, staleness
 from gspo_jax import model as model_lib
 from gspo_jax import programs as programs_lib
 from gspo_jax import sharding as sharding_lib
@@ -40,6 +40,7 @@ class RunContext:
     # LoRA: the base's model (LoRA off; what the warm start trains) and its identity (set by `start`)
     base_graphdef: nnx.GraphDef | None = None
     base: dict | None = None
+    sampler_base: nnx.State | None = None  # LoRA with a sampler mesh of its own: the base's copy there
     # `mesh.rollout_devices`: the sampler's own mesh, and the rollout drawn there ahead of the update
     sampler_mesh: jax.sharding.Mesh | None = None
     ahead: overlap.RolloutAhead | None = None
@@ -74,17 +75,27 @@ class RunContext:
 
     def lag_shardings(self):
         """Where the lagged policies live: the sampler's mesh when it has its own, else (None) the
-        trainer's, beside the parameters."""
+        trainer's, beside the parameters. Under LoRA they are adapters: their shardings there."""
         if self.sampler_mesh is None:
             return None
-        return sharding_lib.param_shardings(self.sampler_mesh, self.programs.policy)
+        trained = lora.split(self.programs.policy)[0] if self.built.plan.lora else self.programs.policy
+        return sharding_lib.param_shardings(self.sampler_mesh, trained)
 
-    def on_trainer(self, params):
-        """`params` (a lagged policy) on the trainer's mesh, for its scoring: moved there from the
-        sampler's mesh when it has its own."""
-        if self.sampler_mesh is None:
-            return params
-        return self.move(params, self.programs.state_shardings.params)
+    def for_sampler(self, state: TrainState, params) -> nnx.State:
+        """The whole policy the sampler draws with, from `params` (the lag's oldest or today's; under LoRA
+        adapters). Under LoRA with a sampler mesh of its own it is the base's copy there with the adapters,
+        which are all that cross; otherwise `params` goes as it is (the sampler places it)."""
+        if self.sampler_base is None:
+            return state.with_adapters(params)
+        return lora.union(self.sampler_base, jax.device_put(params, self.lag_shardings()))
+
+    def on_trainer(self, state: TrainState, params) -> nnx.State:
+        """The whole policy with `params` (a lagged policy; under LoRA adapters) on the trainer's mesh,
+        for its scoring: moved there from the sampler's mesh when it has its own (under LoRA only the
+        adapters move, to join the state's base)."""
+        if self.sampler_mesh is not None:
+            params = self.move(params, self.programs.state_shardings.params)
+        return state.with_adapters(params)
 
     def prompts_state(self):
         """The train prompt stream's position as a checkpoint records it: before a rollout drawn ahead."""
@@ -93,12 +104,17 @@ class RunContext:
     def _start_lora(self, params, restored) -> TrainState:
         base = programs_lib.as_base(self.programs, params)
         self.base = checkpoint.base_identity(base, base_source(self.built))
+        shardings = self.lag_shardings()  # the adapters' on a sampler mesh of its own, which gets the base once
+        if shardings is not None:
+            on_sampler = sharding_lib.param_shardings(self.sampler_mesh, lora.split(self.programs.policy)[1])
+            self.sampler_base = jax.device_put(base, on_sampler)
         if restored is not None:
-            state, self.lag = restored
+            state, lag = restored
+            self.lag = lag if shardings is None else staleness.PolicyLag(lag.policies, shardings, self.move)
             return state.replace(frozen=base)
         adapters = programs_lib.init_adapters(self.built, self.programs)
         state = programs_lib.init_train_state(self.programs, adapters, self.built.seed, frozen=base)
-        self.lag = staleness.PolicyLag.fresh(self.built.rollout.staleness, state.params)  # adapters only
+        self.lag = staleness.PolicyLag.fresh(self.built.rollout.staleness, state.params, shardings, self.move)
         return state
 
     def reference_policy(self, state: TrainState) -> nnx.State | None:

@@ -61,13 +61,14 @@ def rl_iteration(ctx: RunContext, state: TrainState, iteration: int) -> tuple[Tr
     programs, train, lag = ctx.programs, ctx.built.train, ctx.lag
     key = _key(ctx, state, iteration)
     phases = Phases()
-    # Under LoRA the lag holds adapters: the behaviour policy is today's base with the lagged ones.
-    behaviour = state.policy if lag is None else state.with_adapters(lag.behaviour(state.params))
+    # Under LoRA the lag holds adapters: the behaviour policy is the base with the lagged ones.
+    lagged = state.params if lag is None else lag.behaviour(state.params)
     with phases("rollout"):
-        batch, metrics, drawn = _draw(ctx, behaviour, iteration, key)
+        batch, metrics, drawn = _draw(ctx, ctx.for_sampler(state, lagged), iteration, key)
     full = None
     with phases("logprob"):  # with a sampler mesh, π_old is scored with the trainer's own copy of it
-        behaviour = ctx.on_trainer(behaviour)
+        behaviour = ctx.on_trainer(state, lagged)
+        del lagged
         if ctx.trains:
             full, mismatch_metrics = prepare_batch(ctx, behaviour, batch, ctx.reference_policy(state))
             metrics.update(mismatch_metrics)
@@ -137,7 +138,7 @@ def _lag_step(ctx: RunContext, state: TrainState, full, iteration: int, drift_ro
     lag.advance(state.params)
     if ctx.ahead is not None and iteration + 1 < train.num_iterations:
         next_key = jax.random.fold_in(_key(ctx, state, iteration + 1), 0)
-        ctx.ahead.start(iteration + 1, lag.behaviour(state.params), next_key)
+        ctx.ahead.start(iteration + 1, ctx.for_sampler(state, lag.behaviour(state.params)), next_key)
     return metrics
 
 

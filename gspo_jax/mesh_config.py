@@ -40,8 +40,9 @@ def check_split(rollout_devices, devices: int, processes: int, staleness: int, l
     if not n:
         return
     check(staleness >= 1, "config", key, n, "0 with rollout.staleness=0 (the sampler and trainer could never overlap)")
-    check(not lora, "config", key, n, "0 with LoRA (a sampler mesh of its own would need the base copied there)")
     if processes > 1:  # a split over hosts (`hosts.py`): whole processes each side, one layout
+        why = "0 with LoRA on several processes (the sampler's copy of the base is made on one host only)"
+        check(not lora, "config", key, n, why)
         per = devices // processes
         check(
             2 * n == devices,

@@ -70,11 +70,12 @@ def _run(built: built_lib.Built, workdir: Path, *, progress: bool, log_every: in
     ctx, params = context.set_up(built)
     evaluation = functools.partial(evaluate, ctx.rollout, seed=built.seed + 1, num_batches=train.eval_batches)
 
-    def evaluate_and_log(step: int, params) -> dict[str, float]:  # the whole policy (`TrainState.policy`)
+    def evaluate_and_log(step: int, state) -> dict[str, float]:  # today's policy, where the sampler reads it
+        policy = ctx.for_sampler(state, state.params)
         if ctx.ahead is not None:  # the sampler evaluates once the next batch, drawn ahead, is done
-            metrics, samples = ctx.ahead.evaluate(evaluation, params, ctx.lag_shardings())
+            metrics, samples = ctx.ahead.evaluate(evaluation, policy, ctx.lag_shardings())
         else:
-            metrics, samples = evaluation(params)
+            metrics, samples = evaluation(policy)
         writer.write_samples(step, samples)
         return metrics
 
@@ -98,7 +99,7 @@ def _run(built: built_lib.Built, workdir: Path, *, progress: bool, log_every: in
             workdir_lib.drop_rows_after(workdir, start if restored else -1)
         if not restored:
             info = {k: float(v) for k, v in warm_start_info.items()}
-            writer.write(0, {**evaluate_and_log(0, state.policy), **info})
+            writer.write(0, {**evaluate_and_log(0, state), **info})
         last: dict[str, float] = {}
         bar = Progress(train.num_iterations, start, built.algorithm, every=log_every, enabled=progress)
         for it in range(start, train.num_iterations):
@@ -106,7 +107,7 @@ def _run(built: built_lib.Built, workdir: Path, *, progress: bool, log_every: in
             state, metrics = iteration_lib.rl_iteration(ctx, state, it)
             t0 = time.perf_counter()
             if (it + 1) % train.eval_every == 0 or it + 1 == train.num_iterations:
-                metrics.update(evaluate_and_log(it + 1, state.policy), eval_seconds=time.perf_counter() - t0)
+                metrics.update(evaluate_and_log(it + 1, state), eval_seconds=time.perf_counter() - t0)
             metrics["xla_compiles"] = float(counter.count)
             if (loads := metrics.pop("expert_loads", None)) is not None:
                 writer.write_routing(it + 1, loads)

@@ -94,6 +94,14 @@ def test_a_split_over_hosts_is_refused_unless_each_side_is_whole_hosts_of_one_la
         mesh_config.check_split(n, devices, processes, staleness=1, lora=False)
 
 
+def test_a_lora_split_is_one_hosts_only():
+    """Under LoRA the sampler's copy of the base is made in one process: a split over hosts is refused."""
+    mesh_config.check_split(4, 8, 1, staleness=1, lora=True)
+    with pytest.raises(ConfigError, match="mesh.rollout_devices=4 .*0 with LoRA on several processes") as e:
+        mesh_config.check_split(4, 8, 2, staleness=1, lora=True)
+    assert "\n" not in str(e.value)
+
+
 def test_before_jax_0_12_a_split_over_cpu_processes_is_refused_naming_the_hang(monkeypatch):
     monkeypatch.setattr(jax, "__version__", "0.11.0")
     assert not mesh_config.gloo_splits()

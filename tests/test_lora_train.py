@@ -240,3 +240,16 @@ def test_a_lora_plan_compiles_for_a_one_host_slice():
         rows = aot.compile_report(c, "v5p:2x2x1")
     assert [(r.program, r.mesh) for r in rows] == [(p, "fsdp=4") for p in aot.PROGRAMS]
     assert all(r.fits and r.argument_bytes > 0 for r in rows), rows
+
+    # Split 2 + 2 (`mesh.rollout_devices`): the sampler's chips hold the base's copy and the lagged adapters.
+    c.rollout.staleness, c.mesh.rollout_devices = 2, 2
+    c.mesh.rollout.update(data=1, fsdp=-1)
+    with jax.default_matmul_precision("default"):
+        split = aot.compile_report(c, "v5p:2x2x1", programs=("sample",))
+    [sample] = split
+    assert sample.mesh == "sampler fsdp=2" and sample.fits and sample.chips == 2
+    _, abstract = model_lib.abstract_model(build(c, device_count=4).model)
+    adapters, base = lora.split(abstract)
+    shard = lambda tree: sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)) / 2  # all split in 2
+    assert sample.resident_bytes == pytest.approx(2 * shard(adapters), rel=0.05)  # k = 2 lagged adapters, no base
+    assert sample.argument_bytes > shard(base)  # the base's copy is the sampler's argument, not part of the lag

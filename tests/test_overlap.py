@@ -13,7 +13,7 @@ import pytest
 from test_train import _metrics, _sigterm_after, small
 
 from benchmarks.run import overlap as overlap_bench
-from gspo_jax import overlap, snapshots
+from gspo_jax import lora, overlap, snapshots
 from gspo_jax import rollout as rollout_lib
 from gspo_jax import run as run_lib
 from gspo_jax import workdir as workdir_lib
@@ -38,7 +38,6 @@ def _split(c, devices: int = 4):
         (dict(staleness=0), ("mesh.rollout_devices", "rollout.staleness=0", "never overlap")),
         (dict(rollout_devices=3), ("config.mesh.rollout", "data×fsdp×expert=3 must divide num_groups×group_size")),
         (dict(rollout_expert=8, rollout_devices=2), ("config.mesh.rollout", "there are 2 devices for it")),
-        (dict(lora=4), ("mesh.rollout_devices", "LoRA")),
     ],
 )
 def test_a_split_that_cannot_work_is_refused_at_build_in_one_line(change, words):
@@ -132,6 +131,49 @@ def test_a_split_run_equals_the_one_mesh_run_overlaps_and_resumes_bitwise(tmp_pa
     assert _compared(_metrics(tmp_path / "resumed")) == _compared(split)
     final = [jax.tree.leaves(snapshots.load_params(snapshots.open_run(tmp_path / n), 4)) for n in ("one", "resumed")]
     assert all(np.array_equal(a, b) for a, b in zip(*final, strict=True))
+
+
+@pytest.mark.slow
+def test_a_lora_split_run_moves_only_adapters_and_equals_the_one_mesh_run_bitwise(tmp_path, monkeypatch):
+    """LoRA (rank 4, a KL term) at staleness 1, three iterations, one mesh data=4 against the same
+    trainer mesh with a sampler mesh data=4 on devices 4-7. The sampler's copy of the base is made once:
+    every rollout and evaluation draws with it (its buffers never change) and the lagged adapters on the
+    sampler's devices; every metric but the times and the final adapters are equal bitwise, and so after
+    a stop with iteration 2's batch in flight and a resume."""
+    from test_lora_train import lora_config
+
+    c = lora_config()
+    c.train.update(minibatches=1, num_iterations=3)
+    c.rollout.staleness = 1
+    c.mesh.update(data=4)
+    run_lib.train_and_evaluate(build(c), tmp_path / "one", progress=False)
+    one = _metrics(tmp_path / "one")
+
+    c.mesh.rollout_devices = 4
+    bases, sampler = [], {d.id for d in jax.devices()[4:]}
+    call = rollout_lib.Rollout.__call__
+
+    def spied(self, params, *args):
+        adapters, base = lora.split(params)
+        bases.append({id(x) for x in jax.tree.leaves(base)})
+        assert {d.id for x in jax.tree.leaves(params) for d in x.devices()} == sampler
+        return call(self, params, *args)
+
+    with monkeypatch.context() as m:
+        m.setattr(rollout_lib.Rollout, "__call__", spied)
+        run_lib.train_and_evaluate(build(c), tmp_path / "split", progress=False)
+    split = _metrics(tmp_path / "split")
+    assert _compared(split) == _compared(one)
+    assert split[-1]["kl_ref"] > 0 and split[-1]["stale_router_flip_rate"] >= 0  # the adapters moved the policy
+    assert len(bases) >= 3 and all(b == bases[0] for b in bases)  # rollouts and evaluations: one base copy
+
+    with monkeypatch.context() as m, pytest.raises(run_lib.StoppedEarly):
+        _sigterm_after(m, 0)  # iteration 1's batch is in flight when the checkpoint is taken
+        run_lib.train_and_evaluate(build(c), tmp_path / "resumed", progress=False)
+    run_lib.train_and_evaluate(build(c), tmp_path / "resumed", progress=False)
+    assert _compared(_metrics(tmp_path / "resumed")) == _compared(split)
+    final = [snapshots.load_params(snapshots.open_run(tmp_path / n, adapters=True), 3) for n in ("one", "resumed")]
+    assert all(np.array_equal(a, b) for a, b in zip(*map(jax.tree.leaves, final), strict=True))
 
 
 def test_a_workdir_recorded_before_the_split_keys_existed_resumes_as_one_mesh_only():
