@@ -2,6 +2,7 @@
 # Issue 54's GPU figures in one call (about 6-8 minutes on one H100), from the repository root:
 #
 #     bash benchmarks/gpu_check.sh          # both depths; or `2` / `4` for one
+#     bash benchmarks/gpu_check.sh whole    # issue 68 point 3: Qwen3-30B-A3B's 48 layers, LoRA, one GPU (<= 9 min)
 #
 # `python -m benchmarks.run --only real --only loop` at the real dims' 2 layers (the issue's loop
 # figures: rollout per decode step against the bare step, update per token against the isolated
@@ -71,8 +72,15 @@ run() {  # name, time limit in seconds, then the runner's arguments
 }
 case ${1:-all} in 2 | all) run layers2 270 --only real --only loop ;; esac
 case ${1:-all} in 4 | all) run layers4 300 --only real --only loop --real-layers 4 ;; esac
-# Each runner writes its JSON after every section: a run stopped by its limit leaves what it measured.
-find benchmarks -maxdepth 1 -name 'results-*.json' -newer "$marker" -exec cp {} "$OUT"/ \;
+if [ "${1:-all}" = whole ]; then  # batches 64 then 32 (WHOLE_BATCHES), each try in a child under 260 s
+    echo "== whole: python -m benchmarks.whole_model (at most 540 s)"
+    timeout 540 $PY -m benchmarks.whole_model --batches "${WHOLE_BATCHES:-64,32}" --iterations 2 --limit 260 2>&1 | tee "$OUT/whole.log"
+    rc=${PIPESTATUS[0]}
+    echo "== whole: exit $rc"
+    [ "$rc" = 0 ] || status=$rc
+fi
+# Each runner writes its JSON after every section or try: a run stopped by its limit leaves what it measured.
+find benchmarks -maxdepth 1 \( -name 'results-*.json' -o -name 'whole_model-*.json' \) -newer "$marker" -exec cp {} "$OUT"/ \;
 rm -f "$marker"
 ls -l "$OUT"
 exit $status

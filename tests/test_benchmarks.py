@@ -398,3 +398,42 @@ def test_the_suite_profile_adds_each_modules_xla_seconds_across_processes(tmp_pa
         ["jit(step)", "5.5", "2", "2.75"],
         ["jit(add)", "0.5", "1", "0.50"],
     ]
+
+
+def test_the_whole_model_benchmark_tries_batches_largest_first_and_records_each(tmp_path, monkeypatch):
+    """`benchmarks.whole_model` (issue 68's one-GPU question, prepared on a CPU): one try at the tiny
+    shape runs LoRA RL iterations with every phase timed and the base's and adapters' sizes; the runner
+    tries batches largest first, records a failure (out of memory named) and stops at the first that runs;
+    a try past its time limit is recorded as such."""
+    import argparse
+
+    from benchmarks import whole_model
+
+    r = whole_model.attempt(tiny=True, batch=8, iterations=2)
+    assert r["batch"] == 8 and r["layers"] == 2 and r["lora_rank"] == 4 and len(r["iterations"]) == 2
+    assert r["base_bytes"] > r["adapter_bytes"] > 0
+    assert all(r["warm"][k] > 0 for k in (*SPLIT, "iteration_seconds")) and r["warm"]["decode_steps"] >= 1
+    assert r["iterations"][1]["compiles"] == 0  # the warm iteration compiles nothing
+
+    oom = "jaxlib.xla_extension.XlaRuntimeError: RESOURCE_EXHAUSTED: Out of memory allocating 1.2 GiB"
+    tried = []
+
+    def fake_try(args, batch):
+        tried.append(batch)
+        if batch > 16:
+            return dict(batch=batch, ok=False, seconds=1.0, **whole_model.failure(f"Traceback\n{oom}\n"))
+        return dict(ok=True, seconds=2.0, **{**r, "batch": batch})
+
+    monkeypatch.setattr(whole_model, "_try", fake_try)
+    out = tmp_path / "whole.json"
+    monkeypatch.setattr(sys, "argv", ["whole_model", "--size", "tiny", "--batches", "16,64,32,8", "--out", str(out)])
+    whole_model.main()
+    res = json.loads(out.read_text())
+    assert tried == [64, 32, 16] and res["largest_batch_that_runs"] == 16
+    assert [t["ok"] for t in res["tries"]] == [False, False, True]
+    assert res["tries"][0]["out_of_memory"] and res["tries"][0]["error"] == oom
+    assert res["lora"]["base_dtype"] == "bfloat16" and res["git"] and res["device"]
+
+    monkeypatch.undo()
+    late = whole_model._try(argparse.Namespace(size="tiny", iterations=1, limit=1), 8)  # a real child, cut short
+    assert late == dict(batch=8, ok=False, error="timed out after 1 s")

@@ -14,7 +14,6 @@ import json  # noqa: E402
 import os  # noqa: E402
 import shlex  # noqa: E402
 import shutil  # noqa: E402
-import subprocess  # noqa: E402
 import sys  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
@@ -29,7 +28,7 @@ from benchmarks.run.costs import critic_cost, diagnostics_cost  # noqa: E402
 from benchmarks.run.dispatch import moe_dispatch, moe_expert_parallel  # noqa: E402
 from benchmarks.run.iterations import iteration, iteration_scaling, race_iteration  # noqa: E402
 from benchmarks.run.loop import loop_figures, print_loop  # noqa: E402
-from benchmarks.run.machine import machine, peak, refuse_unoptimised  # noqa: E402
+from benchmarks.run.machine import accelerator_versions, git_describe, machine, peak, refuse_unoptimised  # noqa: E402
 from benchmarks.run.overlap import overlap_figures, print_overlap  # noqa: E402
 from benchmarks.run.sampler import sampler_throughput  # noqa: E402
 from benchmarks.run.shapes import iteration_config  # noqa: E402
@@ -38,40 +37,6 @@ from benchmarks.run.targets import print_targets  # noqa: E402
 from gspo_jax import compiles  # noqa: E402
 
 RESULTS = Path(__file__).parents[1] / "results.json"
-
-
-def accelerator_versions() -> dict:
-    """The device, driver, CUDA and cuDNN versions JAX reports (on a GPU), and jax/jaxlib's."""
-    import jaxlib
-
-    out = dict(device=jax.devices()[0].device_kind, backend=jax.default_backend(), jaxlib=jaxlib.__version__)
-    try:
-        from jax._src.lib import cuda_versions
-
-        if cuda_versions is not None:
-            out["cuda_runtime"] = cuda_versions.cuda_runtime_get_version()
-            out["cuda_driver"] = cuda_versions.cuda_driver_get_version()
-            out["cudnn"] = cuda_versions.cudnn_get_version()
-    except Exception as e:  # another backend, or a jaxlib without these helpers: recorded, not fatal
-        out["versions_error"] = f"{type(e).__name__}: {e}"
-    try:  # the driver's own version string (JAX reports the CUDA API version it supports)
-        query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
-        out["nvidia_driver"] = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        pass
-    return out
-
-
-def _git_describe() -> str:
-    """The commit this tree is at, "+ changes" when it has uncommitted ones; "" without git."""
-    try:
-        git = ["git", "--no-optional-locks"]  # reads only: no index refresh
-        run = lambda *a: subprocess.run([*git, *a], capture_output=True, text=True, timeout=30, cwd=RESULTS.parent)
-        head = run("rev-parse", "HEAD").stdout.strip()
-        dirty = run("status", "--porcelain", "--untracked-files=no").stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return f"{head} + changes" if head and dirty else head
 
 
 # ------------------------------------------------------------------ the sections
@@ -323,7 +288,7 @@ def main():
             compiles.use_persistent_cache(directory)
         print("--size tiny: a smoke test; its sections share one compilation cache, so cold-start figures may be loads")
     results = dict(machine=machine(), command=shlex.join(["python", "-m", "benchmarks.run", *sys.argv[1:]]))
-    results["git"] = _git_describe()
+    results["git"] = git_describe()
     results["real_layers"] = args.real_layers
     results["jax"] = jax.__version__
     results["glibc_tunables"] = os.environ.get("GLIBC_TUNABLES", "")  # huge pages or not: see host_memory

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import subprocess
 from pathlib import Path
 
 import jax
@@ -53,3 +54,38 @@ def refuse_unoptimised(ap: argparse.ArgumentParser, tiny_flag: str) -> None:
             "JAX_DISABLE_MOST_OPTIMIZATIONS is on (the test suite's setting): the figures are of optimised "
             f"programs; unset it, or run {tiny_flag}"
         )
+
+
+def accelerator_versions() -> dict:
+    """The device, driver, CUDA and cuDNN versions JAX reports (on a GPU), and jax/jaxlib's."""
+    import jaxlib
+
+    out = dict(device=jax.devices()[0].device_kind, backend=jax.default_backend(), jaxlib=jaxlib.__version__)
+    try:
+        from jax._src.lib import cuda_versions
+
+        if cuda_versions is not None:
+            out["cuda_runtime"] = cuda_versions.cuda_runtime_get_version()
+            out["cuda_driver"] = cuda_versions.cuda_driver_get_version()
+            out["cudnn"] = cuda_versions.cudnn_get_version()
+    except Exception as e:  # another backend, or a jaxlib without these helpers: recorded, not fatal
+        out["versions_error"] = f"{type(e).__name__}: {e}"
+    try:  # the driver's own version string (JAX reports the CUDA API version it supports)
+        query = ["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"]
+        out["nvidia_driver"] = subprocess.run(query, capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        pass
+    return out
+
+
+def git_describe() -> str:
+    """The commit this tree is at, "+ changes" when it has uncommitted ones; "" without git."""
+    try:
+        git = ["git", "--no-optional-locks"]  # reads only: no index refresh
+        root = Path(__file__).resolve().parents[2]
+        run = lambda *a: subprocess.run([*git, *a], capture_output=True, text=True, timeout=30, cwd=root)
+        head = run("rev-parse", "HEAD").stdout.strip()
+        dirty = run("status", "--porcelain", "--untracked-files=no").stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return f"{head} + changes" if head and dirty else head
