@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import subprocess
 import sys
@@ -164,7 +163,8 @@ def _line(r: dict) -> str:
     if not r["ok"]:
         return f"batch {r['batch']}: failed{' (out of memory)' if r.get('out_of_memory') else ''}: {r['error']}"
     w, gib = r["warm"], 2**30
-    phases = ", ".join(f"{k.removesuffix('_seconds')} {w[k]:.2f} s" for k in SPLIT)
+    share = lambda k: f" ({w[k] / w['iteration_seconds']:.0%})" if k != "iteration_seconds" else ""
+    phases = ", ".join(f"{k.removesuffix('_seconds')} {w[k]:.2f} s{share(k)}" for k in SPLIT)
     peak = ""
     if "bytes_limit" in r:
         peak = f"; peak {r['peak_bytes_in_use'] / gib:.1f} of {r['bytes_limit'] / gib:.1f} GiB"
@@ -172,5 +172,4 @@ def _line(r: dict) -> str:
 
 
 if __name__ == "__main__":
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     main()
