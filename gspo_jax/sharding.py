@@ -335,6 +335,8 @@ def under_mesh(fn: Callable, mesh: Mesh) -> Callable:
         finally:
             _PLATFORM.reset(token)
 
+    if isinstance(fn, functools.partial):  # `wraps` finds no name on a partial: name the program by its function
+        traced.__name__ = traced.__qualname__ = getattr(fn.func, "__name__", "traced")
     return traced
 
 

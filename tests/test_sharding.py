@@ -1,5 +1,6 @@
 """Tests for the logical-axis sharding helpers (sharding.py) on the fake 8-device mesh."""
 
+import functools
 import logging
 
 import jax
@@ -153,3 +154,19 @@ def test_a_mesh_on_part_of_the_devices_warns_in_one_line_naming_the_idle_ones(ca
     with caplog.at_level(logging.WARNING, logger="gspo_jax.sharding"):
         assert sharding.warn_idle_devices(sharding.mesh_from_config(data=2, fsdp=-1, expert=1, tensor=1)) == []
     assert not caplog.records  # a mesh over every device: silent
+
+
+def test_a_partial_traced_under_a_mesh_is_named_by_its_function():
+    """Compile tables (`benchmarks.suite_compiles`, profiles) name a program by its function: a partial
+    (the warm start's SFT step) is named by the function it binds, not by the wrapper."""
+
+    def scale(k, x):
+        return k * x
+
+    mesh = sharding.make_mesh(data=2)
+    traced = sharding.under_mesh(functools.partial(scale, 3.0), mesh)
+    assert traced.__name__ == "scale"
+    assert "@jit_scale" in jax.jit(traced).lower(1.0).as_text()
+    assert float(jax.jit(traced)(2.0)) == 6.0
+    plain = sharding.under_mesh(scale, mesh)
+    assert plain.__name__ == "scale" and "@jit_scale" in jax.jit(plain).lower(1.0, 2.0).as_text()
