@@ -3,6 +3,7 @@
 #
 #     bash benchmarks/gpu_check.sh          # both depths; or `2` / `4` for one
 #     bash benchmarks/gpu_check.sh whole    # issue 68 point 3: Qwen3-30B-A3B's 48 layers, LoRA, one GPU (<= 9 min)
+#     bash benchmarks/gpu_check.sh sweeps   # issue 68 point 2: runs per hour of the main job at --parallel 1,2,4,8 (<= 6 min)
 #
 # `python -m benchmarks.run --only real --only loop` at the real dims' 2 layers (the issue's loop
 # figures: rollout per decode step against the bare step, update per token against the isolated
@@ -79,8 +80,15 @@ if [ "${1:-all}" = whole ]; then  # batches 64 then 32 (WHOLE_BATCHES), each try
     echo "== whole: exit $rc"
     [ "$rc" = 0 ] || status=$rc
 fi
-# Each runner writes its JSON after every section or try: a run stopped by its limit leaves what it measured.
-find benchmarks -maxdepth 1 \( -name 'results-*.json' -o -name 'whole_model-*.json' \) -newer "$marker" -exec cp {} "$OUT"/ \;
+if [ "${1:-all}" = sweeps ]; then  # 40-iteration runs (SWEEP_ITERATIONS), projected to the config's 200
+    echo "== sweeps: python -m benchmarks.sweep_throughput (at most 360 s)"
+    timeout 360 $PY -m benchmarks.sweep_throughput --iterations "${SWEEP_ITERATIONS:-40}" 2>&1 | tee "$OUT/sweeps.log"
+    rc=${PIPESTATUS[0]}
+    echo "== sweeps: exit $rc"
+    [ "$rc" = 0 ] || status=$rc
+fi
+# Each runner writes its JSON after every section, try or wave: a run stopped by its limit leaves what it measured.
+find benchmarks -maxdepth 1 \( -name 'results-*.json' -o -name 'whole_model-*.json' -o -name 'sweep_throughput-*.json' \) -newer "$marker" -exec cp {} "$OUT"/ \;
 rm -f "$marker"
 ls -l "$OUT"
 exit $status

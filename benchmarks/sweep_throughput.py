@@ -1,0 +1,192 @@
+"""Sweeps sharing one machine: runs per hour of a config at `--parallel 1` and at larger N, the way
+scripts/sweep.py runs them (issue 68, point 2: on one GPU, the default size at 1 and the best N).
+
+    python -m benchmarks.sweep_throughput                          # the main job's size; N = 1,2,4,8 on a GPU
+    python -m benchmarks.sweep_throughput --iterations 40          # shorter runs, projected to the config's
+    python -m benchmarks.sweep_throughput --config configs/gspo.py:tiny --iterations 2 --parallel 1,2
+
+First one untimed run fills the warm-start cache and a fresh persistent compilation cache (its time is
+recorded: a sweep's first run of an arm). Then, for each N, a wave of N runs of the same config starts at
+once through `gspo_jax.study.runner.Runner` (each pinned to its share of the CPUs and, on a GPU, given
+0.9/N of its memory), every run finding its warm start and programs cached, as a sweep's later runs do.
+A wave's runs per hour are N × 3600 / its wall seconds. With `--iterations` below the config's own, each
+wave is also projected to full runs: per run, its start-up (process, cached warm start, first compiled
+iteration) plus the config's iterations at its measured mean, N runs per that; a projection, labelled
+so. Writes benchmarks/sweep_throughput-<device>.json after every wave (device, versions, command, commit);
+this process never touches a device itself (a child reads the machine), so the runs get all of it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from gspo_jax.study import sweeps
+from gspo_jax.study.runner import Runner
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+WARM_UP = "warm-up"
+
+
+def _probe(config: str) -> dict:
+    """What a child process reports: the machine, its float32 matmul peak and versions (the device's own,
+    then released), and the config's own iteration count."""
+    import jax
+
+    from benchmarks.run.machine import accelerator_versions, git_describe, machine, peak
+    from gspo_jax.config_files import load_config
+
+    c = load_config(config)
+    slug = "".join(ch if ch.isalnum() else "-" for ch in jax.devices()[0].device_kind.lower()).strip("-")
+    return dict(
+        machine=machine(),
+        peak_flops_per_s=peak(tiny=False, repeats=5)["flops_per_s"],
+        jax=jax.__version__,
+        git=git_describe(),
+        **accelerator_versions(),
+        slug=slug,
+        config_iterations=int(c.train.num_iterations),
+        cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+    )
+
+
+def probe(config: str, python: str) -> dict:
+    env = {**os.environ, "XLA_PYTHON_CLIENT_PREALLOCATE": "false"}  # a GPU's memory is not held, even briefly
+    cmd = [python, "-m", "benchmarks.sweep_throughput", "--probe", "--config", config]
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        raise SystemExit(f"the probe failed (exit {r.returncode}): {r.stderr.strip()[-2000:]}")
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def timings(run_dir: Path) -> dict:
+    """A finished run's seconds (the sweep's record of its attempt, process start to exit) and, from
+    its metrics.jsonl, the RL iterations it ran and their mean seconds after the first (which compiles):
+    the start-up is the rest."""
+    state = sweeps.read_state(run_dir)
+    seconds = float(sum(a["seconds"] for a in state.get("attempts", [])))
+    times: dict[int, float] = {}
+    with open(run_dir / "metrics.jsonl") as f:
+        for line in f:
+            row = json.loads(line)
+            if isinstance(row.get("time"), (int, float)):
+                times[row["step"]] = max(row["time"], times.get(row["step"], row["time"]))
+    steps = sorted(s for s in times if s >= 1)
+    out = dict(status=state.get("status", "not started"), seconds=seconds, iterations=steps[-1] if steps else 0)
+    if len(steps) >= 2:
+        span = times[steps[-1]] - times[steps[0]]
+        out["iteration_seconds"] = span / (steps[-1] - steps[0])
+        out["startup_seconds"] = seconds - span
+    return out
+
+
+def wave_figures(n: int, wall: float, runs: list[dict], config_iterations: int) -> dict:
+    """A wave's runs per hour, measured, and projected to `config_iterations` where its runs were shorter."""
+    out = dict(parallel=n, wall_seconds=wall, runs=runs, runs_per_hour=n * 3600 / wall)
+    timed = [r for r in runs if "iteration_seconds" in r]
+    if timed:
+        it = sum(r["iteration_seconds"] for r in timed) / len(timed)
+        startup = sum(r["startup_seconds"] for r in timed) / len(timed)
+        out.update(iteration_seconds=it, startup_seconds=startup)
+        if all(r["iterations"] < config_iterations for r in runs):
+            full = startup + (config_iterations - 1) * it
+            out.update(projected_run_seconds=full, projected_runs_per_hour=n * 3600 / full)
+    return out
+
+
+def best(waves: list[dict]) -> dict:
+    key = "projected_runs_per_hour" if all("projected_runs_per_hour" in w for w in waves) else "runs_per_hour"
+    top = max(waves, key=lambda w: w[key])
+    return dict(parallel=top["parallel"], by=key, runs_per_hour=top[key])
+
+
+def run_wave(root: Path, config: str, names: list[str], overrides: dict, n: int, python: str) -> tuple[float, list]:
+    """`names` runs of `config` at once (parallel `n`) in `root`'s sweep layout; wall seconds and their timings."""
+    runs = [sweeps.Run(i, name, "throughput", config, dict(overrides)) for i, name in enumerate(names)]
+    t0 = time.monotonic()
+    rc = Runner(runs, root, ROOT, parallel=n, python=python).run()
+    wall = time.monotonic() - t0
+    if rc != 0:
+        logs = "\n".join(str(sweeps.workdir(root, r) / sweeps.LOG_FILE) for r in runs)
+        raise SystemExit(f"a run of the wave at --parallel {n} did not finish (exit {rc}); logs:\n{logs}")
+    return wall, [dict(name=r.name, **timings(sweeps.workdir(root, r))) for r in runs]
+
+
+def _line(w: dict) -> str:
+    s = f"--parallel {w['parallel']}: {w['runs_per_hour']:.1f} runs/h ({w['wall_seconds']:.0f} s for {w['parallel']})"
+    if "iteration_seconds" in w:
+        s += f"; {w['iteration_seconds']:.3f} s/iteration, start-up {w['startup_seconds']:.0f} s"
+    if "projected_runs_per_hour" in w:
+        s += f"; projected to full runs: {w['projected_runs_per_hour']:.1f} runs/h"
+    return s
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--config", default="configs/gspo.py", help="the runs' config (default: the main job's)")
+    ap.add_argument(
+        "--parallel", default="", help="runs at once, e.g. 1,4 (default 1,2,4,8 on a GPU; 1 and the cores on a CPU)"
+    )
+    ap.add_argument("--iterations", type=int, default=0, help="RL iterations per run (default: the config's own)")
+    ap.add_argument("--workroot", default="", help="where the runs go (default: a temporary folder, removed)")
+    ap.add_argument("--out", default="", help="the JSON to write (default benchmarks/sweep_throughput-<device>.json)")
+    ap.add_argument("--python", default=sys.executable, help=argparse.SUPPRESS)  # what runs scripts/train.py
+    ap.add_argument("--probe", action="store_true", help=argparse.SUPPRESS)  # the child that reads the machine
+    args = ap.parse_args(argv)
+    if args.probe:
+        print(json.dumps(_probe(args.config)))
+        return 0
+    try:
+        parallel = [int(n) for n in args.parallel.split(",")] if args.parallel else []
+    except ValueError:
+        ap.error(f"--parallel={args.parallel!r}: comma-separated run counts, e.g. 1,2,4")
+    if any(n < 1 for n in parallel) or args.iterations < 0:
+        ap.error(f"--parallel={args.parallel!r}, --iterations={args.iterations}: N at least 1, iterations at least 0")
+    if not Path(ROOT / args.config.partition(":")[0]).is_file():
+        ap.error(f"--config={args.config!r}: no such config file under {ROOT}")
+    if args.workroot and (Path(args.workroot) / sweeps.RUNS_DIR).exists():
+        ap.error(f"--workroot={args.workroot!r} holds runs (finished ones would not run again): give a new folder")
+
+    info = probe(args.config, args.python)
+    print(f"{info['machine']}; float32 matmul peak {info['peak_flops_per_s'] / 1e9:.0f} GFLOP/s", flush=True)
+    on_gpu = info["backend"] == "gpu"
+    parallel = parallel or ([1, 2, 4, 8] if on_gpu else sorted({1, info["cores"]}))
+    overrides = {"train.num_iterations": args.iterations} if args.iterations else {}
+    iterations = args.iterations or info["config_iterations"]
+    path = Path(args.out or HERE / f"sweep_throughput-{info.pop('slug')}.json")
+    results = dict(**info, command=shlex.join(["python", "-m", "benchmarks.sweep_throughput", *(argv or sys.argv[1:])]))
+    results.update(config=args.config, iterations=iterations, waves=[])
+
+    root = Path(args.workroot or tempfile.mkdtemp(prefix="gspo_jax_sweep_throughput_")).resolve()
+    cache = root / "xla_cache"  # a fresh persistent compilation cache: the warm-up fills it
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = str(cache)
+    try:
+        wall, runs = run_wave(root, args.config, [WARM_UP], overrides, 1, args.python)
+        results["warm_up"] = dict(wall_seconds=wall, **runs[0])
+        print(f"warm-up (fills the warm-start and compilation caches): {wall:.0f} s", flush=True)
+        for n in parallel:
+            names = [f"p{n}-run{i}" for i in range(n)]
+            wall, runs = run_wave(root, args.config, names, overrides, n, args.python)
+            results["waves"].append(wave_figures(n, wall, runs, info["config_iterations"]))
+            results["best"] = best(results["waves"])
+            path.write_text(json.dumps(results, indent=2))
+            print(_line(results["waves"][-1]), flush=True)
+    finally:
+        if not args.workroot:
+            shutil.rmtree(root, ignore_errors=True)
+    b = results["best"]
+    print(f"best: --parallel {b['parallel']} ({b['runs_per_hour']:.1f} runs/h, {b['by'].replace('_', ' ')})")
+    print(f"wrote {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
