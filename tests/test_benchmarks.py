@@ -439,71 +439,69 @@ def test_the_whole_model_benchmark_tries_batches_largest_first_and_records_each(
     assert late == dict(batch=8, ok=False, error="timed out after 1 s")
 
 
-FAKE_TRAIN = """#!{python}
-# scripts/train.py's stand-in for the sweep-throughput test: the probe (-m) runs the real interpreter;
-# a run sleeps, writes RL iterations 0.25 s apart (synthetic times) and what it was started with.
+FAKE_TRAIN = """# scripts/train.py's stand-in for the sweep-throughput test, imported by every Python process the
+# test starts (PYTHONPATH): in a run (scripts/train.py) it sleeps, writes RL iterations 0.25 s apart
+# (synthetic times) and what it was started with, and exits; other processes go on untouched.
 import json, os, sys, time
 from pathlib import Path
 
-if sys.argv[1] == "-m":
-    os.execv({python!r}, [{python!r}, *sys.argv[1:]])
-args, start = sys.argv[1:], time.time()
-workdir = Path(args[args.index("--workdir") + 1])
-k = int(next(a for a in args if a.startswith("--config.train.num_iterations=")).partition("=")[2])
-time.sleep(1.0)
-with open(workdir / "metrics.jsonl", "w") as f:
-    for step in range(k + 1):
-        f.write(json.dumps(dict(step=step, time=1000.0 + 0.25 * step)) + "\\n")
-keys = ("JAX_COMPILATION_CACHE_DIR", "XLA_PYTHON_CLIENT_MEM_FRACTION", "OMP_NUM_THREADS")
-started = dict(argv=args, start=start, end=time.time(), env={{k: os.environ.get(k) for k in keys}})
-(workdir / "started.json").write_text(json.dumps(started))
+if sys.argv and sys.argv[0].endswith("scripts/train.py"):
+    args, start = sys.argv[1:], time.time()
+    workdir = Path(args[args.index("--workdir") + 1])
+    k = int(next(a for a in args if a.startswith("--config.train.num_iterations=")).partition("=")[2])
+    time.sleep(1.0)
+    with open(workdir / "metrics.jsonl", "w") as f:
+        for step in range(k + 1):
+            f.write(json.dumps(dict(step=step, time=1000.0 + 0.25 * step)) + "\\n")
+    keys = ("JAX_COMPILATION_CACHE_DIR", "XLA_PYTHON_CLIENT_MEM_FRACTION", "OMP_NUM_THREADS")
+    started = dict(argv=args, start=start, end=time.time(), env={k: os.environ.get(k) for k in keys})
+    (workdir / "started.json").write_text(json.dumps(started))
+    os._exit(0)
 """
 
 
-def test_sweep_throughput_times_waves_of_concurrent_runs_through_the_sweep_runner(tmp_path):
+def test_sweep_throughput_times_waves_of_concurrent_runs_by_the_sweep_command(tmp_path, monkeypatch):
     """`benchmarks.sweep_throughput` (issue 68 point 2, prepared on a CPU): an untimed warm-up run, then a
-    wave of N runs at once per N through the sweep's own runner (its CPU and device-memory shares), each
-    run's start-up and mean iteration read from its metrics, the wave's runs per hour, and the projection
-    of shortened runs to the config's own length (tiny: 3 iterations), by hand."""
+    wave of N runs at once per N by scripts/sweep.py (its CPU and device-memory shares), each run's
+    start-up and mean iteration read from its metrics, the wave's runs per hour, and the projection of
+    shortened runs to the config's own length (tiny: 3 iterations), by hand. scripts/train.py is stood in
+    for (FAKE_TRAIN); everything else is the real sweep."""
     from benchmarks import sweep_throughput as st
 
-    fake = tmp_path / "python"
-    fake.write_text(FAKE_TRAIN.format(python=sys.executable))
-    fake.chmod(0o755)
+    (tmp_path / "fake").mkdir()
+    (tmp_path / "fake" / "sitecustomize.py").write_text(FAKE_TRAIN)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "fake"))
     out, root = tmp_path / "st.json", tmp_path / "w"
     argv = ["--config", "configs/gspo.py:tiny", "--iterations", "2", "--parallel", "1,2", "--workroot", str(root)]
-    assert st.main([*argv, "--out", str(out), "--python", str(fake)]) == 0
+    assert st.main([*argv, "--out", str(out)]) == 0
     res = json.loads(out.read_text())
     assert (res["iterations"], res["config_iterations"], res["backend"]) == (2, 3, "cpu") and res["git"]
     assert res["peak_flops_per_s"] > 0 and "cores" in res["machine"]
     assert [w["parallel"] for w in res["waves"]] == [1, 2] and res["warm_up"]["status"] == "done"
-    started = {d.name: json.loads((d / "started.json").read_text()) for d in (root / "runs").iterdir()}
-    assert set(started) == {"warm-up", "p1-run0", "p2-run0", "p2-run1"}
-    cache = str(root.resolve() / "xla_cache")  # one fresh compilation cache for every run, the warm-up's
-    assert all(s["env"]["JAX_COMPILATION_CACHE_DIR"] == cache for s in started.values())
-    assert "--config.train.num_iterations=2" in started["p1-run0"]["argv"]
-    assert started["p1-run0"]["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] is None  # one run: all of the device
-    assert [started[f"p2-run{i}"]["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] for i in (0, 1)] == ["0.450", "0.450"]
-    a, b = started["p2-run0"], started["p2-run1"]
+    started = {d.name: json.loads((d / "started.json").read_text()) for d in root.glob("*/runs/*")}
+    assert set(started) == {"gspo-arm=warm-up-run0", "gspo-arm=p1-run0", "gspo-arm=p2-run0", "gspo-arm=p2-run1"}
+    warm, cache = f"--config.warm_start.cache_dir={root / 'warm_starts'}", str(root / "xla_cache")
+    assert all(warm in s["argv"] and "--config.train.num_iterations=2" in s["argv"] for s in started.values())
+    assert all(s["env"]["JAX_COMPILATION_CACHE_DIR"] == cache for s in started.values())  # the warm-up's
+    assert started["gspo-arm=p1-run0"]["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] is None  # one run: the device
+    a, b = started["gspo-arm=p2-run0"], started["gspo-arm=p2-run1"]
+    assert a["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == b["env"]["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.450"
     assert a["start"] < b["end"] and b["start"] < a["end"]  # the wave's two runs overlapped
     for w in res["waves"]:
         n, runs = w["parallel"], w["runs"]
-        assert len(runs) == n and all(r["iterations"] == 2 for r in runs)
+        assert len(runs) == n and all(r["iterations"] == 2 and r["status"] == "done" for r in runs)
         assert w["runs_per_hour"] == pytest.approx(n * 3600 / w["wall_seconds"])
         assert all(r["iteration_seconds"] == pytest.approx(0.25) for r in runs)  # steps 1 -> 2
         assert all(r["startup_seconds"] == pytest.approx(r["seconds"] - 0.25) for r in runs)
-        assert w["projected_run_seconds"] == pytest.approx(w["startup_seconds"] + 2 * 0.25)  # 3 iterations
-        assert w["projected_runs_per_hour"] == pytest.approx(n * 3600 / w["projected_run_seconds"])
+        assert w["projected_wave_seconds"] == pytest.approx(w["wall_seconds"] + 0.25)  # a 3rd iteration each
+        assert w["projected_runs_per_hour"] == pytest.approx(n * 3600 / w["projected_wave_seconds"])
     two = res["waves"][1]
     assert two["wall_seconds"] < sum(r["seconds"] for r in two["runs"])  # at once, not one after the other
     top = max(res["waves"], key=lambda w: w["projected_runs_per_hour"])
-    assert res["best"] == dict(
-        parallel=top["parallel"],
-        by="projected_runs_per_hour",
-        runs_per_hour=pytest.approx(top["projected_runs_per_hour"]),
-    )
+    best = dict(parallel=top["parallel"], by="projected_runs_per_hour", runs_per_hour=top["projected_runs_per_hour"])
+    assert res["best"] == pytest.approx(best)
 
-    with pytest.raises(SystemExit):  # a workroot with runs in it would skip them as done: refused
-        st.main([*argv, "--out", str(out), "--python", str(fake)])
+    with pytest.raises(SystemExit):  # a used workroot would skip its finished runs: refused
+        st.main([*argv, "--out", str(out)])
     with pytest.raises(SystemExit):
         st.main(["--parallel", "0,2"])
