@@ -13,10 +13,10 @@ SIGTERM / Ctrl-C stop every run at its next iteration boundary (a checkpoint eac
 them at once. One sweep process per workroot (per shard): a second is refused.
 
 --parallel N: each child is pinned to its own share of this process's CPUs (gspo_jax.study.runner.cpu_slots); more
-runs than CPUs share them. On 2 CPU cores (shared with other work, load ~4.5, one try each) the tiny sweep
-took 50 s at --parallel 1 and 39 s at --parallel 2 (each run's start-up is mostly single-threaded): use
-one run per core. Larger N, and larger configs, are unmeasured. On one GPU the N runs share it: each is
-started with JAX's client memory settings, no preallocation and 0.9/N of the device at most
+runs than CPUs share them. On 2 CPU cores the main job's runs (warm start and programs cached) went 27.6 an
+hour at --parallel 1 and 39.1 at --parallel 2 (`python -m benchmarks.sweep_throughput`, docs/BENCHMARKS.md):
+use one run per core. On one GPU the N runs share it: each is started with JAX's client memory settings, no
+preallocation and 0.9/N of the device at most
 (gspo_jax.study.runner.device_memory_env; a value already in the environment is kept). A TPU chip takes one
 process: spread a sweep over slices with --shard instead.
 
