@@ -37,11 +37,12 @@ from pathlib import Path  # noqa: E402
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.run.machine import machine, peak, refuse_unoptimised  # noqa: E402
+from benchmarks.run.machine import peak, refuse_unoptimised  # noqa: E402
 from gspo_jax import context, dispatch, moe  # noqa: E402
 from gspo_jax import iteration as iteration_lib  # noqa: E402
 from gspo_jax.built import build  # noqa: E402
 from gspo_jax.config_files import load_config  # noqa: E402
+from gspo_jax.provenance import machine  # noqa: E402
 from gspo_jax.warm_start import warm_start  # noqa: E402
 
 OUT = Path(__file__).with_name("deep_iteration.json")

@@ -25,10 +25,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks.run.machine import machine, peak
+from benchmarks.run.machine import peak
 from benchmarks.run.shapes import random_batch, shape_config
 from gspo_jax import context, flops
 from gspo_jax.built import build
+from gspo_jax.provenance import machine
 
 OUT = Path(__file__).with_name("lora.json")
 

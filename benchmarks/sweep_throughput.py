@@ -46,8 +46,9 @@ def _probe(config: str) -> dict:
     then released), and the config's own iteration count."""
     import jax
 
-    from benchmarks.run.machine import accelerator_versions, git_describe, machine, peak
+    from benchmarks.run.machine import accelerator_versions, peak
     from gspo_jax.config_files import load_config
+    from gspo_jax.provenance import commit, machine
 
     c = load_config(config)
     slug = "".join(ch if ch.isalnum() else "-" for ch in jax.devices()[0].device_kind.lower()).strip("-")
@@ -55,7 +56,7 @@ def _probe(config: str) -> dict:
         machine=machine(),
         peak_flops_per_s=peak(tiny=False, repeats=5)["flops_per_s"],
         jax=jax.__version__,
-        git=git_describe(),
+        git=commit(),
         **accelerator_versions(),
         slug=slug,
         config_iterations=int(c.train.num_iterations),

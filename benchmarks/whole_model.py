@@ -29,9 +29,10 @@ import numpy as np
 
 from benchmarks.run import accelerator
 from benchmarks.run.loop import SPLIT, Loop
-from benchmarks.run.machine import accelerator_versions, git_describe, machine, refuse_unoptimised
+from benchmarks.run.machine import accelerator_versions, refuse_unoptimised
 from benchmarks.run.shapes import shape_config
 from gspo_jax.built import build
+from gspo_jax.provenance import commit, machine
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -141,7 +142,7 @@ def main():
         except ValueError as e:
             ap.error(str(e))
     path = Path(args.out or HERE / f"whole_model-{_device_slug()}.json")
-    results = dict(machine=machine(), jax=jax.__version__, git=git_describe(), **accelerator_versions())
+    results = dict(machine=machine(), jax=jax.__version__, git=commit(), **accelerator_versions())
     results["command"] = shlex.join(["python", "-m", "benchmarks.whole_model", *sys.argv[1:]])
     results["model"] = f"qwen3_30b_a3b at {LAYERS} layers, random weights" if not tiny else "tiny shape"
     results["lora"] = dict(rank=4 if tiny else RANK, targets=list(TARGETS), base_dtype="bfloat16")

@@ -14,7 +14,7 @@ from pathlib import Path
 import jax
 
 from gspo_jax import built as built_lib
-from gspo_jax import context, multihost, plots, staleness, trackers
+from gspo_jax import context, multihost, plots, provenance, staleness, trackers
 from gspo_jax import iteration as iteration_lib
 from gspo_jax import workdir as workdir_lib
 from gspo_jax.checkpoint import Checkpointer, PreemptionGuard, check_base, resume
@@ -62,6 +62,7 @@ def train_and_evaluate(
     with workdir_lib.Lock(workdir) if is_main else contextlib.nullcontext():
         if is_main:
             workdir_lib.record_config(workdir, built.config_json, changes)
+            provenance.record(workdir)  # where this start ran: host, devices, versions, commit
         return _run(built, workdir, progress=progress, log_every=log_every)
 
 

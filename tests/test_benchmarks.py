@@ -305,7 +305,7 @@ def test_decode_steps_counts_whole_chunks_to_the_longest_completion():
 
 
 def test_machine_names_the_cores_this_process_may_use():
-    from benchmarks.run.machine import machine
+    from gspo_jax.provenance import machine
 
     m = machine()
     assert f", {len(os.sched_getaffinity(0))} cores)" in m and m.endswith("cpu device(s)"), m

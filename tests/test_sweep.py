@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from gspo_jax import workdir
+from gspo_jax import provenance, workdir
 from gspo_jax.study import report as sweep_report
 from gspo_jax.study import runner as sweep_runner
 from gspo_jax.study import sweeps
@@ -355,13 +355,19 @@ def test_the_tiny_sweep_killed_and_restarted_finishes_every_run_once_then_report
             assert (root / "runs" / n / sweeps.LOG_FILE).read_text().count("sweep attempt") == 1
     for n in stopped_first:
         assert len(sweeps.read_state(root / "runs" / n)["attempts"]) == 2
+    for n in names:  # each start that reached the run recorded where it ran (a kill in start-up may not)
+        records = provenance.read(root / "runs" / n)
+        assert 1 <= len(records) <= len(sweeps.read_state(root / "runs" / n)["attempts"])
+        assert n not in done_first or len(records) == 1
+        assert all(r["platform"] == "cpu" and r["versions"]["jax"] for r in records)
 
     r = subprocess.run([*args, "--report"], cwd=ROOT, env=child_env(), capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     report = (root / "report.md").read_text()
     assert "4 runs: 4 done." in report
-    for n in names:
-        assert f"| `{n}` | done | 3 |" in report
+    for n in names:  # the runs table names each run's device
+        row = next(line for line in report.splitlines() if line.startswith(f"| `{n}` | done | 3 |"))
+        assert row.endswith(f"| {provenance.devices_of(root / 'runs' / n)} |") and "| CPU: " in row
     for arm in ("grpo", "gspo"):
         assert f"| `{arm}` | 2/2 |" in report
     figures = sorted(p.name for p in (root / "report").glob("*.png"))

@@ -28,13 +28,14 @@ from benchmarks.run.costs import critic_cost, diagnostics_cost  # noqa: E402
 from benchmarks.run.dispatch import moe_dispatch, moe_expert_parallel  # noqa: E402
 from benchmarks.run.iterations import iteration, iteration_scaling, race_iteration  # noqa: E402
 from benchmarks.run.loop import loop_figures, print_loop  # noqa: E402
-from benchmarks.run.machine import accelerator_versions, git_describe, machine, peak, refuse_unoptimised  # noqa: E402
+from benchmarks.run.machine import accelerator_versions, peak, refuse_unoptimised  # noqa: E402
 from benchmarks.run.overlap import overlap_figures, print_overlap  # noqa: E402
 from benchmarks.run.sampler import sampler_throughput  # noqa: E402
 from benchmarks.run.shapes import iteration_config  # noqa: E402
 from benchmarks.run.step import loss_share, train_mfu  # noqa: E402
 from benchmarks.run.targets import print_targets  # noqa: E402
 from gspo_jax import compiles  # noqa: E402
+from gspo_jax.provenance import commit, machine  # noqa: E402
 
 RESULTS = Path(__file__).parents[1] / "results.json"
 
@@ -288,7 +289,7 @@ def main():
             compiles.use_persistent_cache(directory)
         print("--size tiny: a smoke test; its sections share one compilation cache, so cold-start figures may be loads")
     results = dict(machine=machine(), command=shlex.join(["python", "-m", "benchmarks.run", *sys.argv[1:]]))
-    results["git"] = git_describe()
+    results["git"] = commit()
     results["real_layers"] = args.real_layers
     results["jax"] = jax.__version__
     results["glibc_tunables"] = os.environ.get("GLIBC_TUNABLES", "")  # huge pages or not: see host_memory

@@ -1,13 +1,11 @@
-"""The machine a benchmark runs on: its float32 matmul peak (the denominator of every MFU), what it
-is (CPU, cores, devices), and the refusal to measure programs compiled without optimizations."""
+"""The machine a benchmark runs on: its float32 matmul peak (the denominator of every MFU), its
+accelerator's versions, and the refusal to measure programs compiled without optimizations. What it is
+(CPU, cores, devices) and the code's commit: `gspo_jax.provenance`, which every run records too."""
 
 from __future__ import annotations
 
 import argparse
-import os
-import platform
 import subprocess
-from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -24,26 +22,6 @@ def peak(tiny: bool, repeats: int) -> dict:
         f = jax.jit(lambda x: x @ x)
         out[n] = 2 * n**3 / best_time(lambda f=f, a=a: f(a), repeats)
     return {"flops_per_s": max(out.values()), "by_shape": {str(k): v for k, v in out.items()}}
-
-
-def machine() -> str:
-    """What ran the benchmark: the CPU's model and vector ISA and the cores this process may use (the
-    figures move with them: the hosts this project is lent differ from session to session), and JAX's
-    devices."""
-    model, flags = platform.processor() or platform.machine(), set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key, _, value = line.partition(":")
-            if key.strip() == "model name" and value.strip():
-                model = value.strip()
-            elif key.strip() == "flags":
-                flags = set(value.split())
-    except OSError:
-        pass
-    isa = "AVX-512" if "avx512f" in flags else "AVX2" if "avx2" in flags else ""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    devices = f"{jax.device_count()} {jax.devices()[0].platform} device(s)"
-    return f"{model} ({platform.machine()}{', ' + isa if isa else ''}, {cores} cores), {devices}"
 
 
 def refuse_unoptimised(ap: argparse.ArgumentParser, tiny_flag: str) -> None:
@@ -76,16 +54,3 @@ def accelerator_versions() -> dict:
     except (OSError, subprocess.SubprocessError):
         pass
     return out
-
-
-def git_describe() -> str:
-    """The commit this tree is at, "+ changes" when it has uncommitted ones; "" without git."""
-    try:
-        git = ["git", "--no-optional-locks"]  # reads only: no index refresh
-        root = Path(__file__).resolve().parents[2]
-        run = lambda *a: subprocess.run([*git, *a], capture_output=True, text=True, timeout=30, cwd=root)
-        head = run("rev-parse", "HEAD").stdout.strip()
-        dirty = run("status", "--porcelain", "--untracked-files=no").stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return ""
-    return f"{head} + changes" if head and dirty else head

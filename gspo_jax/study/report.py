@@ -19,6 +19,7 @@ import numpy as np
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
+from gspo_jax import provenance
 from gspo_jax.plots import save_figure, series
 from gspo_jax.study import analysis, sweeps
 from gspo_jax.writers import read_metrics
@@ -50,6 +51,7 @@ class RunResult:
     records: list[dict]
     attempts: list[dict] = field(default_factory=list)
     tail: list[str] = field(default_factory=list)
+    device: str = ""  # where its starts ran (gspo_jax.provenance); "" for runs made before that was kept
 
     @property
     def last_step(self) -> int | None:
@@ -96,7 +98,8 @@ def collect(sweep: sweeps.Sweep, root: Path) -> list[RunResult]:
         run_dir = sweeps.workdir(root, run)
         state = sweeps.read_state(run_dir)
         attempts, tail = state.get("attempts", []), state.get("tail", [])
-        results.append(RunResult(run, sweeps.status(run_dir), read_metrics(run_dir), attempts, tail))
+        device = provenance.devices_of(run_dir)
+        results.append(RunResult(run, sweeps.status(run_dir), read_metrics(run_dir), attempts, tail, device))
     return results
 
 
@@ -339,9 +342,10 @@ def _diagnostics_section(results: Sequence[RunResult], arms: Mapping[str, list[R
 
 
 def _runs_section(results: Sequence[RunResult]) -> list[str]:
-    """Every run's status, progress and wall time; the unfinished named, each failure's last log lines."""
+    """Every run's status, progress and wall time (and device, where runs recorded it: a wall time is
+    read against its machine); the unfinished named, each failure's last log lines."""
     lines = ["", "## Runs", ""]
-    rows = []
+    rows, devices = [], any(r.device for r in results)
     for r in results:
         acc = r.accuracy()
         rows.append(
@@ -352,9 +356,11 @@ def _runs_section(results: Sequence[RunResult]) -> list[str]:
                 "—" if acc is None else f"{acc['final']:.3g}",
                 str(len(r.attempts)),
                 "—" if r.seconds() is None else f"{r.seconds():.0f}",
+                *([r.device or "—"] if devices else []),
             ]
         )
-    lines += _table(["run", "status", "last step", "final acc", "attempts", "wall time (s)"], rows)
+    header = ["run", "status", "last step", "final acc", "attempts", "wall time (s)", *(["device"] if devices else [])]
+    lines += _table(header, rows)
     missing = [r.run.name for r in results if r.status != "done"]
     if missing:
         lines += ["", "Not finished (left out of the arm tables): " + ", ".join(f"`{n}`" for n in missing) + "."]
