@@ -31,6 +31,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from gspo_jax.writers import read_metrics
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 WARM_UP = "warm-up"
@@ -48,19 +50,18 @@ def _probe(config: str) -> dict:
 
     from benchmarks.run.machine import accelerator_versions, peak
     from gspo_jax.config_files import load_config
-    from gspo_jax.provenance import commit, machine
+    from gspo_jax.provenance import commit, cpu, device_slug, machine
 
     c = load_config(config)
-    slug = "".join(ch if ch.isalnum() else "-" for ch in jax.devices()[0].device_kind.lower()).strip("-")
     return dict(
         machine=machine(),
         peak_flops_per_s=peak(tiny=False, repeats=5)["flops_per_s"],
         jax=jax.__version__,
         git=commit(),
         **accelerator_versions(),
-        slug=slug,
+        slug=device_slug(),
         config_iterations=int(c.train.num_iterations),
-        cores=len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
+        cores=cpu()[2],
     )
 
 
@@ -79,12 +80,7 @@ def timings(run_dir: Path) -> dict:
     the start-up is the rest."""
     state = json.loads((run_dir / STATE_FILE).read_text())
     seconds = float(sum(a["seconds"] for a in state["attempts"]))
-    times: dict[int, float] = {}
-    with open(run_dir / "metrics.jsonl") as f:
-        for line in f:
-            row = json.loads(line)
-            if isinstance(row.get("time"), (int, float)):
-                times[row["step"]] = max(row["time"], times.get(row["step"], row["time"]))
+    times = {r["step"]: r["time"] for r in read_metrics(run_dir) if isinstance(r.get("time"), (int, float))}
     steps = sorted(s for s in times if s >= 1)
     out = dict(name=run_dir.name, status=state["status"], seconds=seconds, iterations=steps[-1] if steps else 0)
     if len(steps) >= 2:

@@ -30,7 +30,7 @@ import jax  # noqa: E402
 
 from benchmarks.run.iterations import RACE_ITERATIONS, race_iteration  # noqa: E402
 from benchmarks.run.shapes import iteration_config  # noqa: E402
-from gspo_jax import hf  # noqa: E402
+from gspo_jax import hf, provenance  # noqa: E402
 from gspo_jax import programs as programs_lib  # noqa: E402
 from gspo_jax.built import build  # noqa: E402
 from gspo_jax.sharding import mesh_from_config  # noqa: E402
@@ -128,8 +128,7 @@ def main():
     print(f"TRL {theirs['trl']}: {theirs['seconds'] * 1e3:.0f} ms per iteration; gspo_jax is {ratio:.2f}x faster")
     device = jax.devices()[0].device_kind
     out = dict(device=device, jax=jax.__version__, gspo_jax=mine, trl=theirs, speedup=ratio)
-    slug = "".join(ch if ch.isalnum() else "-" for ch in device.lower()).strip("-")
-    path = Path(args.out or Path(__file__).parent / f"race-{slug}.json")
+    path = Path(args.out or Path(__file__).parent / f"race-{provenance.device_slug()}.json")
     path.write_text(json.dumps(out, indent=2, default=float))
     print(f"wrote {path}")
 

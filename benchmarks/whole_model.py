@@ -32,7 +32,7 @@ from benchmarks.run.loop import SPLIT, Loop
 from benchmarks.run.machine import accelerator_versions, refuse_unoptimised
 from benchmarks.run.shapes import shape_config
 from gspo_jax.built import build
-from gspo_jax.provenance import commit, machine
+from gspo_jax.provenance import commit, device_slug, machine
 
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
@@ -110,11 +110,6 @@ def failure(stderr: str) -> dict:
     return dict(out_of_memory=oom, error=why[:500], stderr_tail="\n".join(lines[-40:]))
 
 
-def _device_slug() -> str:
-    kind = jax.devices()[0].device_kind.lower()
-    return "".join(ch if ch.isalnum() else "-" for ch in kind).strip("-")
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--size", default="full", choices=("full", "tiny"), help="tiny: seconds on a CPU, the smoke test")
@@ -141,7 +136,7 @@ def main():
             whole_config(tiny, batch, args.iterations)
         except ValueError as e:
             ap.error(str(e))
-    path = Path(args.out or HERE / f"whole_model-{_device_slug()}.json")
+    path = Path(args.out or HERE / f"whole_model-{device_slug()}.json")
     results = dict(machine=machine(), jax=jax.__version__, git=commit(), **accelerator_versions())
     results["command"] = shlex.join(["python", "-m", "benchmarks.whole_model", *sys.argv[1:]])
     results["model"] = f"qwen3_30b_a3b at {LAYERS} layers, random weights" if not tiny else "tiny shape"

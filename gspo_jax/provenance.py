@@ -46,6 +46,12 @@ def machine() -> str:
     return f"{model} ({platform.machine()}{', ' + isa if isa else ''}, {cores} cores), {devices}"
 
 
+def device_slug() -> str:
+    """JAX's first device's kind as a file name ("nvidia-h100-80gb-hbm3", "cpu"): what the benchmarks'
+    result files are named by."""
+    return "".join(ch if ch.isalnum() else "-" for ch in jax.devices()[0].device_kind.lower()).strip("-")
+
+
 def commit() -> str:
     """The commit of the source checkout this code runs from, "+ changes" when it has uncommitted ones;
     "" for an installed copy or without git."""

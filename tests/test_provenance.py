@@ -22,6 +22,7 @@ def test_each_start_appends_a_record_of_this_process_and_a_cut_off_line_is_skipp
     assert first["device_kind"] == jax.devices()[0].device_kind and first["cores"] >= 1 and first["cpu"]
     assert first["versions"]["jax"] == jax.__version__ and first["versions"]["flax"]
     assert provenance.read(tmp_path / "never_started") == []
+    assert provenance.device_slug() == "cpu"  # a result file's name: "nvidia-h100-80gb-hbm3" on that GPU
 
 
 def test_the_commit_is_this_checkouts():

@@ -35,7 +35,7 @@ from benchmarks.run.shapes import iteration_config  # noqa: E402
 from benchmarks.run.step import loss_share, train_mfu  # noqa: E402
 from benchmarks.run.targets import print_targets  # noqa: E402
 from gspo_jax import compiles  # noqa: E402
-from gspo_jax.provenance import commit, machine  # noqa: E402
+from gspo_jax.provenance import commit, device_slug, machine  # noqa: E402
 
 RESULTS = Path(__file__).parents[1] / "results.json"
 
@@ -278,9 +278,8 @@ def main():
     accel = jax.default_backend() != "cpu"
     sections = args.only or (ACCELERATOR_SECTIONS if accel else tuple(s for s in SECTIONS if s not in CPU_SKIPS))
     if accel and args.out == str(RESULTS):
-        slug = "".join(ch if ch.isalnum() else "-" for ch in jax.devices()[0].device_kind.lower()).strip("-")
         depth = "" if args.real_layers == accelerator.REAL_LAYERS else f"-{args.real_layers}layers"
-        args.out = str(RESULTS.with_name(f"results-{slug}{depth}.json"))
+        args.out = str(RESULTS.with_name(f"results-{device_slug()}{depth}.json"))
     repeats = 1 if tiny else args.repeats
     if tiny:  # the smoke test: its sections share their compiles (`timing.cold_cache_dir`)
         if not jax.config.jax_compilation_cache_dir:
