@@ -495,8 +495,6 @@ def test_sweep_throughput_times_waves_of_concurrent_runs_by_the_sweep_command(tm
         assert all(r["startup_seconds"] == pytest.approx(r["seconds"] - 0.25) for r in runs)
         assert w["projected_wave_seconds"] == pytest.approx(w["wall_seconds"] + 0.25)  # a 3rd iteration each
         assert w["projected_runs_per_hour"] == pytest.approx(n * 3600 / w["projected_wave_seconds"])
-    two = res["waves"][1]
-    assert two["wall_seconds"] < sum(r["seconds"] for r in two["runs"])  # at once, not one after the other
     top = max(res["waves"], key=lambda w: w["projected_runs_per_hour"])
     best = dict(parallel=top["parallel"], by="projected_runs_per_hour", runs_per_hour=top["projected_runs_per_hour"])
     assert res["best"] == pytest.approx(best)
